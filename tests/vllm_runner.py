@@ -1,0 +1,53 @@
+"""Run one vLLM engine in its own process and write what it generated as JSON.
+
+    python tests/vllm_runner.py request.json result.json
+
+request.json: {"target", "prompts" (chat-formatted text), "max_tokens",
+"temperature", "speculative_config" (or null), "env" (extra variables),
+"max_model_len", "n", "seed"}. Keeping each engine in a process of its own
+isolates the tests from vLLM's process and signal handling, and frees all
+of an engine's memory and Ray processes when it exits.
+"""
+
+import json
+import os
+import sys
+
+
+def main() -> int:
+    with open(sys.argv[1]) as f:
+        req = json.load(f)
+    os.environ.update(req.get("env") or {})
+    # lets _draft_stats send a function to the worker (test-only, local engine)
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    from vllm import LLM, SamplingParams
+
+    from duo_vllm.cli import spec_decode_metrics
+
+    llm = LLM(model=req["target"], max_model_len=req.get("max_model_len", 2048), seed=0,
+              speculative_config=req.get("speculative_config"), disable_log_stats=False)
+    params = SamplingParams(temperature=req.get("temperature", 0.0),
+                            top_p=req.get("top_p", 1.0), max_tokens=req["max_tokens"],
+                            n=req.get("n", 1), seed=req.get("seed"))
+    outs = llm.generate(req["prompts"], params, use_tqdm=False)
+    result = {
+        "token_ids": [[list(c.token_ids) for c in o.outputs] for o in outs],
+        "text": [[c.text for c in o.outputs] for o in outs],
+        "metrics": spec_decode_metrics(llm),
+    }
+    if req.get("speculative_config"):
+        result["draft_stats"] = _draft_stats(llm)
+    with open(sys.argv[2], "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def _draft_stats(llm):
+    try:
+        return llm.llm_engine.collective_rpc(lambda self: self.model_runner.drafter.stats())[0]
+    except Exception as e:  # stats are informative only
+        return {"error": repr(e)}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
