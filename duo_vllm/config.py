@@ -48,6 +48,16 @@ class DuoConfig:
             (least recently used states are dropped beyond it).
         propose_timeout_s: Longest the proposer waits for the actor in one
             step before it returns no draft for that step.
+        parallel: Pre-draft the next step while vLLM verifies this one
+            (``False``: draft only while vLLM waits, as serial speculative
+            decoding does).
+        multi_sequence: Where the draft is unsure of the token the target
+            will sample next, pre-draft a branch for each likely candidate
+            (DuoDecoding's θ rule); ``False`` pre-drafts the top-1 chain only.
+        budget: ``"auto"`` sizes drafts from measured draft and target times
+            so both sides finish together; an integer N drafts N tokens per
+            request per step (clamped by ``num_speculative_tokens``).
+        max_branches: Most branches per request (the θ rule picks up to this).
     """
 
     draft_model: str | None = None
@@ -61,6 +71,10 @@ class DuoConfig:
     n_ctx: int = 2048
     max_sequences: int = 8
     propose_timeout_s: float = 10.0
+    parallel: bool = True
+    multi_sequence: bool = True
+    budget: str | int = "auto"
+    max_branches: int = 4
 
     def __post_init__(self) -> None:
         cores = self.draft_cores
@@ -83,8 +97,18 @@ class DuoConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise DuoConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.use_actor, bool):
-            raise DuoConfigError(f"use_actor must be true or false, got {self.use_actor!r}")
+        for name in ("use_actor", "parallel", "multi_sequence"):
+            if not isinstance(getattr(self, name), bool):
+                raise DuoConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.budget != "auto" and (isinstance(self.budget, bool)
+                                      or not isinstance(self.budget, int) or self.budget < 0):
+            raise DuoConfigError(
+                f'budget must be "auto" or an integer >= 0 (tokens per request per step), '
+                f"got {self.budget!r}"
+            )
+        if not isinstance(self.max_branches, int) or not 1 <= self.max_branches <= 8:
+            raise DuoConfigError(f"max_branches must be an integer from 1 to 8, "
+                                 f"got {self.max_branches!r}")
         if not isinstance(self.propose_timeout_s, (int, float)) or self.propose_timeout_s <= 0:
             raise DuoConfigError(
                 f"propose_timeout_s must be a number > 0, got {self.propose_timeout_s!r}"
@@ -126,6 +150,10 @@ class DuoConfig:
                 )
             merged.update(section)
         return cls.from_dict(merged)
+
+    def fixed_budget(self) -> int | None:
+        """The fixed per-request budget, or ``None`` for ``"auto"``."""
+        return None if self.budget == "auto" else int(self.budget)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

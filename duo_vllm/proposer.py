@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from contextlib import contextmanager
 
 import numpy as np
@@ -101,13 +102,13 @@ class DuoProposer:
                     "cores (e.g. 0) or draft_cores to give the draft its own.", cores)
             ray = _ensure_ray(cfg)
             self._ray = ray
-            self._actor = get_or_create_actor(cfg, self.model_path, cores)
+            self._actor = get_or_create_actor(cfg, self.model_path, cores, self.k)
             self._call = lambda name, *a: getattr(self._actor, name).remote(*a)
             self._get = lambda ref: ray.get(ref, timeout=cfg.propose_timeout_s)
             # Start-up errors (bad GGUF, bad cores) surface here, before any request.
             info = ray.get(self._actor.info.remote())
         else:
-            worker = DraftWorker(cfg.to_dict(), self.model_path, None)
+            worker = DraftWorker(cfg.to_dict(), self.model_path, None, self.k)
             self._actor = worker
             self._call = lambda name, *a: getattr(worker, name)(*a)
             self._get = lambda result: result
@@ -117,6 +118,10 @@ class DuoProposer:
                            "not %s", cfg.actor_name, info["model"], self.model_path)
         self._check_vocab(model_config)
         self._failed = False
+        self._returned_at: float | None = None  # when the last propose() returned
+        self._step_s: dict[int, float] = {}  # target step time, by batch size (EMA)
+        self._calls, self._wait_s = 0, 0.0  # time vLLM's loop spent waiting for drafts
+        self._stats_ref, self._stats_logged_at = None, time.monotonic()
         logger.info("DuoProposer: draft %s on node %s, cores %s (%d threads, pid %d), "
                     "max %d draft tokens per step", info["model"], info["node"], info["cores"],
                     info["n_threads"], info["pid"], self.k)
@@ -147,15 +152,35 @@ class DuoProposer:
             contexts.append(token_ids_cpu[i, :n].copy())
             budgets.append(k)
         if not rows:
+            self._returned_at = None
             return drafts
+        step_s = self._observe_target_step(len(rows))
+        t0 = time.perf_counter()
         try:
-            result = self._get(self._call("draft", contexts, budgets))
+            result = self._get(self._call("propose", contexts, budgets, step_s))
         except Exception as e:  # the draft side must never take the request down
             self._on_failure(e)
             return drafts
+        finally:
+            self._returned_at = time.perf_counter()
+            self._calls += 1
+            self._wait_s += self._returned_at - t0
+        self._maybe_log_stats()
         for i, k, draft in zip(rows, budgets, result):
             drafts[i] = [t for t in draft[:k] if 0 <= t < self.target_vocab_size]
         return drafts
+
+    def _observe_target_step(self, batch_size: int) -> float | None:
+        """Time vLLM spent since the last propose() returned: its verify step (EMA)."""
+        now = time.perf_counter()
+        if self._returned_at is not None:
+            sample = now - self._returned_at
+            old = self._step_s.get(batch_size)
+            if old is None:
+                self._step_s[batch_size] = sample
+            elif sample < 3 * old:  # longer gaps are idle time or prefills, not steps
+                self._step_s[batch_size] = old + 0.2 * (sample - old)
+        return self._step_s.get(batch_size)
 
     def _on_failure(self, error: Exception) -> None:
         name = type(error).__name__
@@ -167,8 +192,41 @@ class DuoProposer:
         logger.warning("DuoProposer: draft side failed (%s: %s); falling back to plain "
                        "decoding (output is unaffected, only slower)", name, error)
 
+    def _local_stats(self) -> dict:
+        return {
+            "propose_calls": self._calls,
+            "propose_wait_ms": 1e3 * self._wait_s / self._calls if self._calls else 0.0,
+            "target_step_ms_by_batch": {b: 1e3 * s for b, s in sorted(self._step_s.items())},
+        }
+
     def stats(self) -> dict:
-        return self._get(self._call("stats"))
+        """Draft-side statistics (actor) and this proposer's own timings."""
+        return {**self._get(self._call("stats")), **self._local_stats()}
+
+    def _maybe_log_stats(self, interval_s: float = 10.0) -> None:
+        """Log the draft statistics every ``interval_s`` without blocking the step."""
+        if time.monotonic() - self._stats_logged_at < interval_s:
+            return
+        if self._stats_ref is None:
+            self._stats_ref = self._call("stats")
+            return
+        if self.config.use_actor:
+            ready, _ = self._ray.wait([self._stats_ref], timeout=0)
+            if not ready:
+                return
+        ref, self._stats_ref = self._stats_ref, None
+        self._stats_logged_at = time.monotonic()
+        try:
+            s = {**self._get(ref), **self._local_stats()}
+        except Exception:
+            return
+        logger.info(
+            "DuoProposer: pre-draft hit rate %.1f%%, branch hit rate %.1f%%, branches %s, "
+            "%.2f draft tokens/step, actor busy %.0f%%, draft %.1f ms/token, target step "
+            "%.1f ms, wait for drafts %.1f ms/step", 100 * s["predraft_hit_rate"],
+            100 * s["branch_hit_rate"], s["branch_count_distribution"],
+            s["draft_tokens_per_step"], 100 * s["busy_fraction"], s["draft_token_ms"],
+            s["target_step_ms"], s["propose_wait_ms"])
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM hook; the draft model is loaded by the actor at construction."""

@@ -53,6 +53,7 @@ class SlotPool:
     def __init__(self, size: int, min_reuse: int = 1):
         if size < 1:
             raise ValueError("SlotPool needs at least one slot")
+        self.size = size
         self.slots = [Slot(seq_id=i) for i in range(size)]
         self.min_reuse = min_reuse
         self._clock = 0

@@ -1,4 +1,4 @@
-"""Hand-built stand-ins for a draft backend, with known argmax."""
+"""Hand-built stand-ins for a draft backend, with known distributions."""
 
 from __future__ import annotations
 
@@ -6,38 +6,64 @@ import numpy as np
 
 
 class FakeBackend:
-    """A 'model' whose greedy next token is ``(last * 7 + 3) % n_vocab``.
+    """A multi-sequence 'model' with a hand-set next-token distribution.
 
-    It records every evaluated token, so tests can check what was re-evaluated,
-    and keeps per-sequence token lists like a KV cache would.
+    By default the greedy next token is ``(last * 7 + 3) % n_vocab`` with
+    probability ~0.9. ``spread`` maps a last token to a dict
+    ``{token: logit}`` to make the draft unsure there. Sequences behave like
+    llama.cpp's: positions must be consecutive, ``copy`` shares a prefix.
+    Every evaluated token is recorded.
     """
 
-    def __init__(self, n_vocab: int = 50, texts: list[str] | None = None):
+    def __init__(self, n_vocab: int = 50, texts: list[str] | None = None,
+                 spread: dict[int, dict[int, float]] | None = None):
         self.n_vocab = n_vocab
         self.name = "fake"
         self.seqs: dict[int, list[int]] = {}
         self.evaluated: list[tuple[int, list[int], int]] = []
+        self.decode_calls = 0
+        self.spread = spread or {}
         self._texts = texts or [f"tok{i}" for i in range(n_vocab)]
 
     @staticmethod
     def next_token(last: int, n_vocab: int = 50) -> int:
         return (last * 7 + 3) % n_vocab
 
+    def logits_after(self, last: int) -> np.ndarray:
+        logits = np.zeros(self.n_vocab, dtype=np.float32)
+        if last in self.spread:
+            for tok, value in self.spread[last].items():
+                logits[tok] = value
+        else:
+            logits[self.next_token(last, self.n_vocab)] = 8.0
+        return logits
+
     def token_texts(self) -> list[str]:
         return list(self._texts)
 
-    def truncate(self, seq_id: int, n: int) -> None:
-        self.seqs[seq_id] = self.seqs.get(seq_id, [])[:n]
+    def remove(self, seq_id: int, p0: int, p1: int = -1) -> None:
+        seq = self.seqs.get(seq_id, [])
+        end = len(seq) if p1 < 0 else p1
+        self.seqs[seq_id] = seq[:p0] + seq[end:]
 
-    def eval(self, seq_id: int, tokens, pos: int) -> np.ndarray:
-        seq = self.seqs.setdefault(seq_id, [])
-        assert pos == len(seq), f"eval at pos {pos} but sequence {seq_id} holds {len(seq)}"
-        tokens = [int(t) for t in tokens]
-        seq.extend(tokens)
-        self.evaluated.append((seq_id, tokens, pos))
-        logits = np.full(self.n_vocab, -10.0, dtype=np.float32)
-        logits[self.next_token(tokens[-1], self.n_vocab)] = 5.0
-        return logits
+    def copy(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
+        s = self.seqs.get(src, [])
+        end = len(s) if p1 < 0 else p1
+        d = self.seqs.get(dst, [])
+        assert len(d) == p0, "copy must append to a sequence that ends at p0"
+        self.seqs[dst] = d + s[p0:end]
+
+    def decode(self, items):
+        self.decode_calls += 1
+        out = []
+        for seq_id, tokens, pos in items:
+            seq = self.seqs.setdefault(seq_id, [])
+            assert pos == len(seq), f"eval at pos {pos} but sequence {seq_id} holds {len(seq)}"
+            tokens = [int(t) for t in tokens]
+            seq.extend(tokens)
+            self.evaluated.append((seq_id, tokens, pos))
+            out.append(self.logits_after(tokens[-1]))
+        return out
 
     def chain(self, last: int, k: int) -> list[int]:
         out = []

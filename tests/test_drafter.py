@@ -1,6 +1,7 @@
 import numpy as np
+import pytest
 
-from duo_vllm.drafter import ChainDrafter
+from duo_vllm.drafter import DraftPolicy, DuoDrafter
 from tests.fakes import FakeBackend
 
 
@@ -8,59 +9,256 @@ def ctx(*xs):
     return np.array(xs, dtype=np.int32)
 
 
-def test_greedy_chain_follows_argmax():
-    be = FakeBackend()
-    d = ChainDrafter(be, max_sequences=2, n_ctx=100)
-    (draft,) = d.draft([ctx(1, 2, 3)], [4])
+def serial(k=4, **kw):
+    return DraftPolicy(k=k, parallel=False, **kw)
+
+
+def make(policy, backend=None, n_ctx=100, seqs=4):
+    be = backend or FakeBackend()
+    return be, DuoDrafter(be, max_sequences=seqs, n_ctx=n_ctx, policy=policy)
+
+
+def test_serial_greedy_chain_follows_argmax():
+    be, d = make(serial())
+    (draft,) = d.propose([ctx(1, 2, 3)], [4])
     assert draft == be.chain(3, 4)
+    assert d.jobs == []  # serial: nothing is pre-drafted
 
 
 def test_only_new_tokens_are_evaluated():
-    be = FakeBackend()
-    d = ChainDrafter(be, max_sequences=2, n_ctx=100)
-    (draft,) = d.draft([ctx(1, 2, 3)], [3])
+    be, d = make(serial(k=3))
+    (draft,) = d.propose([ctx(1, 2, 3)], [3])
     be.evaluated.clear()
     # the target accepted the first two draft tokens and sampled 9
-    (draft2,) = d.draft([ctx(1, 2, 3, draft[0], draft[1], 9)], [3])
-    first = be.evaluated[0]
-    assert first[1] == [9] and first[2] == 5  # only the new token, at its position
+    (draft2,) = d.propose([ctx(1, 2, 3, draft[0], draft[1], 9)], [3])
+    assert be.evaluated[0][1:] == ([9], 5)  # only the new token, at its position
     assert draft2 == be.chain(9, 3)
     assert d.stats.reused_tokens == 5
 
 
 def test_fully_known_context_reevaluates_last_token_for_logits():
-    be = FakeBackend()
-    d = ChainDrafter(be, max_sequences=1, n_ctx=100)
-    d.draft([ctx(1, 2, 3)], [3])  # caches 1 2 3 d0 d1
+    be, d = make(serial(k=3), seqs=1)
+    d.propose([ctx(1, 2, 3)], [3])
     be.evaluated.clear()
-    (draft,) = d.draft([ctx(1, 2, 3)], [2])  # same context again
+    (draft,) = d.propose([ctx(1, 2, 3)], [2])
     assert be.evaluated[0][1:] == ([3], 2)
     assert draft == be.chain(3, 2)
 
 
-def test_rows_get_independent_state():
-    be = FakeBackend()
-    d = ChainDrafter(be, max_sequences=4, n_ctx=100)
-    out = d.draft([ctx(1, 2), ctx(10, 11, 12)], [2, 3])
+def test_rows_are_drafted_in_one_decode_per_depth():
+    be, d = make(serial(k=3))
+    out = d.propose([ctx(1, 2), ctx(10, 11, 12)], [2, 3])
     assert out == [be.chain(2, 2), be.chain(12, 3)]
-    be.evaluated.clear()
-    out = d.draft([ctx(10, 11, 12, out[1][0], 4), ctx(1, 2, out[0][0], 6)], [2, 2])
-    assert out == [be.chain(4, 2), be.chain(6, 2)]
-    assert [e[1][0] for e in be.evaluated if len(e[1]) > 1 or e[1][0] in (4, 6)][:2] == [4, 6]
+    assert be.decode_calls == 3  # catch-up for both, then 2 more depths
 
 
 def test_context_too_long_or_zero_budget_gets_no_draft():
-    be = FakeBackend()
-    d = ChainDrafter(be, max_sequences=2, n_ctx=4)
-    assert d.draft([ctx(1, 2, 3, 4), ctx(1)], [2, 0]) == [[], []]
-    assert d.draft([ctx(1, 2, 3)], [5]) == [be.chain(3, 1)]  # clamped to fit n_ctx
+    be, d = make(serial(k=5), n_ctx=5)
+    assert d.propose([ctx(1, 2, 3, 4), ctx(1)], [2, 0]) == [[], []]
+    assert d.propose([ctx(1, 2, 3)], [5]) == [be.chain(3, 1)]  # clamped to fit n_ctx
 
 
 def test_backend_error_gives_no_draft_and_resets_slot():
     class Broken(FakeBackend):
-        def eval(self, seq_id, tokens, pos):
+        def decode(self, items):
             raise RuntimeError("boom")
 
-    d = ChainDrafter(Broken(), max_sequences=1, n_ctx=100)
-    assert d.draft([ctx(1, 2)], [3]) == [[]]
+    _, d = make(serial(), backend=Broken(), seqs=1)
+    assert d.propose([ctx(1, 2)], [3]) == [[]]
     assert d.stats.errors == 1 and len(d.pool.slots[0].tokens) == 0
+
+
+def test_fixed_budget_sets_the_chain_length():
+    be, d = make(serial(k=4, budget=2))
+    assert d.propose([ctx(1, 2)], [4]) == [be.chain(2, 2)]
+    _, d0 = make(serial(k=4, budget=0))
+    assert d0.propose([ctx(1, 2)], [4]) == [[]]
+
+
+# -- parallel: pre-drafting and branches ---------------------------------------
+
+def parallel(k=3, **kw):
+    return DraftPolicy(k=k, parallel=True, budget=kw.pop("budget", 3), **kw)
+
+
+def test_predraft_hit_serves_the_branch_without_evaluating():
+    be, d = make(parallel(multi_sequence=False))
+    (draft,) = d.propose([ctx(1, 2)], [3])
+    d.predraft()
+    tree = d.trees[0]
+    b = be.next_token(draft[-1])  # the target accepts everything and samples b
+    assert tree.branches[0].tokens[0] == b
+    be.evaluated.clear()
+    (draft2,) = d.propose([ctx(1, 2, *draft, b)], [3])
+    assert draft2 == be.chain(b, 3)
+    assert be.evaluated == []  # nothing evaluated on the critical path
+    assert d.stats.predraft_hits == 1
+
+
+def test_partial_accept_is_a_miss_and_drafts_from_the_real_context():
+    be, d = make(parallel(multi_sequence=False))
+    (draft,) = d.propose([ctx(1, 2)], [3])
+    d.predraft()
+    (draft2,) = d.propose([ctx(1, 2, draft[0], 44)], [3])  # rejected at position 2
+    assert draft2 == be.chain(44, 3)
+    assert d.stats.predraft_hits == 0 and d.stats.predraft_lookups == 1
+    d.predraft()
+    assert list(d.trees[0].prefix) == [1, 2, draft[0], 44, *draft2]
+
+
+def unsure_backend():
+    # 9 -> 5 surely; after 5 the draft hesitates between 20 (p .44), 21 (p .36) and
+    # 22 (p .06); after 20 it is unsure too (top p .40), so θ = .44 * .40 = .18:
+    # 21 opens a branch, 22 does not.
+    spread = {9: {5: 12.0}, 5: {20: 5.0, 21: 4.8, 22: 3.0}, 20: {7: 4.0, 8: 3.5}}
+    return FakeBackend(spread=spread)
+
+
+def softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def test_theta_rule_opens_branches_and_a_second_branch_can_hit():
+    be = unsure_backend()
+    p1, p2 = softmax(be.logits_after(5)), softmax(be.logits_after(20))
+    theta = p1[20] * p2.max()
+    assert p1[21] > theta > p1[22]  # the hand-built case is what the comment says
+    _, d = make(parallel(k=3, budget=4, multi_sequence=True), backend=be)
+    assert d.propose([ctx(1, 9)], [1]) == [[5]]
+    d.predraft()  # pre-drafts for the position after 5
+    tree = d.trees[0]
+    assert [br.tokens[0] for br in tree.branches] == [20, 21]
+    assert d.stats.branch_counts[2] == 1
+    be.evaluated.clear()
+    (draft,) = d.propose([ctx(1, 9, 5, 21)], [3])  # the target sampled the 2nd candidate
+    assert len(draft) >= 1 and draft == be.chain(21, len(draft))
+    assert be.evaluated == [] and d.stats.branch_hits[1] == 1
+    assert be.seqs[0][:4] == [1, 9, 5, 21]  # the branch became the request's sequence
+    d.predraft()
+    (draft2,) = d.propose([ctx(1, 9, 5, 21, *draft, be.next_token(draft[-1]))], [3])
+    assert d.stats.predraft_hits == 2
+
+
+def test_multi_sequence_off_keeps_one_branch():
+    be = unsure_backend()
+    _, d = make(parallel(k=3, budget=4, multi_sequence=False), backend=be)
+    d.propose([ctx(1, 9)], [1])
+    d.predraft()
+    assert [br.tokens[0] for br in d.trees[0].branches] == [20]
+    # capped at k=3 evaluations: the candidate plus a full draft of 3
+    assert len(d.trees[0].branches[0].tokens) == 4
+
+
+def test_predraft_stops_when_interrupted():
+    be, d = make(parallel(k=3, budget=3, multi_sequence=False))
+    d.propose([ctx(1, 2)], [3])
+    calls = []
+    d.predraft(interrupt=lambda: calls.append(1) or len(calls) > 1)
+    assert d.stats.interrupted == 1
+    assert len(d.trees[0].branches[0].tokens) == 2  # catch-up + top-1 only
+
+
+def test_sequences_stay_consistent_over_many_steps():
+    """Random accept/reject pattern: every context the drafter sees must match its KV."""
+    rng = np.random.default_rng(0)
+    be = FakeBackend(spread={3: {10: 5.0, 11: 4.8}, 17: {4: 5.0, 30: 4.9}})
+    d = DuoDrafter(be, max_sequences=2, n_ctx=400,
+                   policy=DraftPolicy(k=4, parallel=True, budget=4, multi_sequence=True))
+    seqs = [[1, 2], [40, 41, 42]]
+    for _ in range(60):
+        drafts = d.propose([ctx(*s) for s in seqs], [4, 4])
+        for s, dr in zip(seqs, drafts):
+            n_acc = rng.integers(0, len(dr) + 1)
+            s.extend(dr[:n_acc])
+            s.append(int(rng.integers(0, 50)) if rng.random() < 0.3 else be.next_token(s[-1]))
+        d.predraft()
+        for slot in d.pool.slots:  # the KV holds exactly what the slot says
+            assert be.seqs.get(slot.seq_id, []) == [int(t) for t in slot.tokens]
+    assert d.stats.predraft_hits > 0 and d.stats.errors == 0
+
+
+def test_auto_budget_stops_extending_at_the_deadline():
+    be = FakeBackend()
+    d = DuoDrafter(be, max_sequences=2, n_ctx=100,
+                   policy=DraftPolicy(k=4, parallel=True, multi_sequence=False, budget=None))
+    d.propose([ctx(1, 2)], [4], target_step_s=0.05)
+    d.predraft(deadline=0.0)  # already past: catch-up and top-1 only
+    assert len(d.trees[0].branches[0].tokens) == 2
+    assert d.deadline_after(10.0) == 10.05
+    d.predraft()
+
+
+def test_auto_budget_without_a_deadline_extends_to_the_planned_length():
+    be = FakeBackend()
+    d = DuoDrafter(be, max_sequences=2, n_ctx=100,
+                   policy=DraftPolicy(k=4, parallel=True, multi_sequence=False, budget=None))
+    d.propose([ctx(1, 2)], [4], target_step_s=0.035)
+    d.token_s.value = 0.010  # as if measured: round(3.5) - 1 catch-up = 3 evaluations
+    d._plan_jobs()
+    assert d.jobs[0].evals == 3
+    d.predraft()
+    assert len(d.trees[0].branches[0].tokens) == 4
+
+
+def freeze_timings(d, token_s, prefill_s):
+    """Pin the drafter's measured times (a fake backend's own would be microseconds)."""
+    for ema, value in ((d.token_s, token_s), (d.prefill_s, prefill_s)):
+        ema.value = value
+        ema.add = lambda x: None
+
+
+def test_long_new_context_is_prefilled_in_the_background_in_chunks():
+    be = FakeBackend()
+    d = DuoDrafter(be, max_sequences=2, n_ctx=1000,
+                   policy=DraftPolicy(k=3, parallel=True, multi_sequence=False, budget=3))
+    freeze_timings(d, token_s=0.015, prefill_s=0.006)
+    prompt = ctx(*[(7 * i) % 50 for i in range(150)])
+    assert d.propose([prompt], [3]) == [[]]  # vLLM does not wait for a 150-token prefill
+    assert be.evaluated == []
+    calls = []
+    d.predraft(interrupt=lambda: calls.append(1) or len(calls) >= 2)  # stop after 2 chunks
+    assert len(d.pool.slots[0].tokens) == 2 * d.PREFILL_CHUNK and 0 not in d.trees
+    # the next step: still prefilling, so again no draft; the prefill resumes where it was
+    b = be.next_token(int(prompt[-1]))
+    grown = np.append(prompt, np.int32(b))
+    assert d.propose([grown], [3]) == [[]]
+    be.evaluated.clear()
+    d.predraft()
+    assert be.evaluated[0][2] == 2 * d.PREFILL_CHUNK  # resumed, not restarted
+    (draft,) = d.propose([np.append(grown, np.int32(be.next_token(b)))], [3])
+    assert draft == be.chain(be.next_token(b), 3) and d.stats.predraft_hits == 1
+
+
+def test_worker_never_makes_vllm_wait_for_a_prefill():
+    import time
+
+    from duo_vllm.actor import DraftWorker
+
+    class Slow(FakeBackend):
+        def decode(self, items):
+            time.sleep(0.02 * sum(len(t) for _, t, _ in items))
+            return super().decode(items)
+
+    be = Slow()
+    cfg = {"use_actor": False, "budget": 3, "multi_sequence": False}
+    w = DraftWorker(cfg, "fake.gguf", None, k=3, backend_factory=lambda _: be)
+    freeze_timings(w.drafter, token_s=0.02, prefill_s=0.02)
+    try:
+        prompt = ctx(*[(3 * i) % 50 for i in range(100)])  # 100 tokens: 2 s of prefill
+        t0 = time.perf_counter()
+        assert w.propose([prompt], [3], 0.05) == [[]]
+        time.sleep(0.1)  # the background prefill is under way
+        seq = prompt
+        for _ in range(3):  # vLLM decodes on without drafts, never blocked
+            seq = np.append(seq, np.int32(be.next_token(int(seq[-1]))))
+            t1 = time.perf_counter()
+            assert w.propose([seq], [3], 0.05) == [[]]
+            assert time.perf_counter() - t1 < 0.2
+        assert w.drafter.stats.skipped_busy >= 1
+        assert w.wait_idle(timeout=10)
+        seq = np.append(seq, np.int32(be.next_token(int(seq[-1]))))
+        (draft,) = w.propose([seq], [3], 0.05)
+        assert draft == be.chain(int(seq[-1]), 3)
+    finally:
+        w.close()

@@ -7,18 +7,36 @@ from tests.conftest import run_vllm
 
 pytestmark = pytest.mark.e2e
 
+# every switch combination that changes behaviour, each against plain vLLM
+COMBOS = {
+    "serial": ({"parallel": False, "multi_sequence": False, "budget": 4}, False),
+    "parallel-single-auto": ({"parallel": True, "multi_sequence": False, "budget": "auto"}, True),
+    "parallel-multi-auto": ({"parallel": True, "multi_sequence": True, "budget": "auto"}, True),
+    "parallel-multi-auto-batched": ({}, False),  # the defaults, ten requests at once
+    "parallel-multi-fixed2": ({"parallel": True, "multi_sequence": True, "budget": 2}, True),
+    "serial-multi-auto": ({"parallel": False, "multi_sequence": True, "budget": "auto"}, False),
+}
 
-def test_greedy_output_equals_plain_vllm(session_tmp, target_dir, specbench_chat, plain_greedy):
-    duo = run_vllm(session_tmp, "duo", target=target_dir, prompts=specbench_chat,
-                   max_tokens=64, speculative_config=speculative_config(4))
+
+@pytest.mark.parametrize("combo", list(COMBOS))
+def test_greedy_output_equals_plain_vllm(combo, session_tmp, target_dir, specbench_chat,
+                                         plain_greedy):
+    duo_cfg, sequential = COMBOS[combo]
+    duo = run_vllm(session_tmp, f"duo-{combo}", target=target_dir, prompts=specbench_chat,
+                   max_tokens=64, sequential=sequential,
+                   speculative_config=speculative_config(4, duo_cfg))
     assert len(specbench_chat) >= 10
     for i, (want, got) in enumerate(zip(plain_greedy["token_ids"], duo["token_ids"])):
-        assert got == want, f"prompt {i}: DuoProposer output differs from plain vLLM"
+        assert got == want, f"{combo}, prompt {i}: DuoProposer output differs from plain vLLM"
     m = duo["metrics"]
     assert m["proposed"] > 0 and m["accepted"] > 0, m
     # the draft ran in the Ray actor, pinned to core 1, next to a target on core 0
     assert "DuoProposer: draft" in duo["log"] and "cores [1]" in duo["log"], duo["log"][-3000:]
     stats = duo["draft_stats"]
-    assert stats["drafted_tokens"] >= m["proposed"], stats
+    assert stats["returned_tokens"] >= m["proposed"], stats
     # per-request state: context tokens are reused, not re-prefilled every step
     assert stats["reused_tokens"] > 5 * stats["prefill_tokens"], stats
+    if duo_cfg.get("parallel", True):
+        assert stats["predraft_hit_rate"] > 0.3, stats  # drafts served without waiting
+    else:
+        assert stats["predraft_hit_rate"] == 0 and stats["predraft_tokens"] == 0, stats

@@ -30,7 +30,7 @@ def batch(contexts, width=256):
 
 @pytest.fixture(scope="module")
 def inproc(target_dir):
-    return DuoProposer(vllm_config(target_dir, duo={"use_actor": False}))
+    return DuoProposer(vllm_config(target_dir, duo={"use_actor": False, "parallel": False}))
 
 
 def test_propose_drafts_for_rows_that_sampled(inproc, tokenizer):
@@ -45,7 +45,8 @@ def test_propose_drafts_for_rows_that_sampled(inproc, tokenizer):
 
 
 def test_budget_is_clamped_at_max_model_len(target_dir, tokenizer):
-    p = DuoProposer(vllm_config(target_dir, duo={"use_actor": False}, max_model_len=20))
+    p = DuoProposer(vllm_config(target_dir, duo={"use_actor": False, "parallel": False},
+                                max_model_len=20))
     ctx = list(range(1000, 1019))
     ids, n = batch([ctx[:17], ctx[:19]])
     drafts = p.propose([[1], [1]], n, ids)
@@ -109,7 +110,8 @@ def test_vocab_mismatch_names_both_models(other_vocab_target):
 def test_ray_actor_is_named_pinned_and_shared(target_dir):
     import ray
 
-    cfg = {"draft_cores": [1], "actor_name": "duo_test_actor", "namespace": "duo_test"}
+    cfg = {"draft_cores": [1], "actor_name": "duo_test_actor", "namespace": "duo_test",
+           "budget": 4}
     try:
         p1 = DuoProposer(vllm_config(target_dir, duo=cfg))
         info = ray.get(p1._actor.info.remote())

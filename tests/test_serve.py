@@ -31,7 +31,7 @@ class Server:
         self.port = free_port()
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
                "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", "2048",
-               "--seed", "0"]
+               "--seed", "0", "--dtype", "float32"]
         if spec:
             cmd += ["--speculative-config", json.dumps(spec)]
         self.log_path = log_path

@@ -3,8 +3,9 @@
     python tests/vllm_runner.py request.json result.json
 
 request.json: {"target", "prompts" (chat-formatted text), "max_tokens",
-"temperature", "speculative_config" (or null), "env" (extra variables),
-"max_model_len", "n", "seed"}. Keeping each engine in a process of its own
+"temperature", "top_p", "speculative_config" (or null), "env" (extra
+variables), "max_model_len", "max_num_seqs", "dtype" (default float32: the
+default target's own dtype), "n", "seed" or "seeds" (one per prompt)}. Keeping each engine in a process of its own
 isolates the tests from vLLM's process and signal handling, and frees all
 of an engine's memory and Ray processes when it exits.
 """
@@ -25,11 +26,20 @@ def main() -> int:
     from duo_vllm.cli import spec_decode_metrics
 
     llm = LLM(model=req["target"], max_model_len=req.get("max_model_len", 2048), seed=0,
+              dtype=req.get("dtype", "float32"), max_num_seqs=req.get("max_num_seqs", 256),
               speculative_config=req.get("speculative_config"), disable_log_stats=False)
-    params = SamplingParams(temperature=req.get("temperature", 0.0),
-                            top_p=req.get("top_p", 1.0), max_tokens=req["max_tokens"],
-                            n=req.get("n", 1), seed=req.get("seed"))
-    outs = llm.generate(req["prompts"], params, use_tqdm=False)
+
+    def sampling(seed):
+        return SamplingParams(temperature=req.get("temperature", 0.0),
+                              top_p=req.get("top_p", 1.0), max_tokens=req["max_tokens"],
+                              n=req.get("n", 1), seed=seed)
+
+    seeds = req.get("seeds")  # one seed per prompt, or one for all
+    params = [sampling(s) for s in seeds] if seeds else sampling(req.get("seed"))
+    if req.get("sequential"):  # one request at a time (batch 1), as a latency user would
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in req["prompts"]]
+    else:
+        outs = llm.generate(req["prompts"], params, use_tqdm=False)
     result = {
         "token_ids": [[list(c.token_ids) for c in o.outputs] for o in outs],
         "text": [[c.text for c in o.outputs] for o in outs],

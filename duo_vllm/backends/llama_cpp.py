@@ -1,4 +1,9 @@
-"""llama.cpp backend: a GGUF draft model with one KV sequence per cached request."""
+"""llama.cpp backend: a GGUF draft model whose KV cache holds many token sequences.
+
+The KV cache is *unified*: cells are shared between sequences, so a branch
+forked from a request's sequence (``copy``) shares its prefix at no cost, as
+in llama.cpp's parallel-decoding example.
+"""
 
 from __future__ import annotations
 
@@ -30,10 +35,10 @@ def _install_log_filter(llama_cpp) -> None:
 
 
 class LlamaCppBackend:
-    """A llama.cpp model and context holding ``n_seq`` independent sequences."""
+    """A llama.cpp model and context for up to ``n_seq`` sequences, ``n_ctx`` cells in all."""
 
-    def __init__(self, model_path: str, n_ctx_per_seq: int, n_seq: int,
-                 n_threads: int, n_batch: int = 512):
+    def __init__(self, model_path: str, n_ctx: int, n_seq: int, n_threads: int,
+                 n_batch: int = 512):
         import llama_cpp  # imported here: the package must be importable without it
 
         if not os.path.isfile(model_path):
@@ -41,11 +46,11 @@ class LlamaCppBackend:
         self._lib = llama_cpp
         self.name = os.path.basename(model_path)
         self.n_batch = n_batch
+        self.n_seq = n_seq
         _install_log_filter(llama_cpp)
         llama_cpp.llama_backend_init()
 
         mparams = llama_cpp.llama_model_default_params()
-        mparams.use_mmap = True
         self._model = llama_cpp.llama_model_load_from_file(model_path.encode(), mparams)
         if not self._model:
             raise ValueError(
@@ -56,17 +61,18 @@ class LlamaCppBackend:
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
 
         cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = n_ctx_per_seq * n_seq
+        cparams.n_ctx = n_ctx
         cparams.n_batch = n_batch
         cparams.n_ubatch = n_batch
         cparams.n_seq_max = n_seq
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
-        cparams.kv_unified = False  # each sequence owns n_ctx_per_seq cells
+        cparams.kv_unified = True
         cparams.no_perf = True
         self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
         if not self._ctx:
-            raise RuntimeError(f"llama.cpp could not create a context for {model_path!r}")
+            raise RuntimeError(f"llama.cpp could not create a context for {model_path!r} "
+                               f"(n_ctx={n_ctx}, n_seq={n_seq})")
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self._logits_t = ctypes.POINTER(ctypes.c_float * self.n_vocab)
@@ -76,36 +82,52 @@ class LlamaCppBackend:
         return [lib.llama_vocab_get_text(vocab, i).decode("utf-8", "replace")
                 for i in range(self.n_vocab)]
 
-    def truncate(self, seq_id: int, n: int) -> None:
-        self._lib.llama_memory_seq_rm(self._mem, seq_id, n, -1)
+    def remove(self, seq_id: int, p0: int, p1: int = -1) -> None:
+        """Drop positions ``[p0, p1)`` (``p1 = -1``: to the end) of a sequence."""
+        self._lib.llama_memory_seq_rm(self._mem, seq_id, p0, p1)
 
-    def eval(self, seq_id: int, tokens: np.ndarray, pos: int) -> np.ndarray:
-        """Evaluate ``tokens`` at positions ``pos...``; return the logits after the last.
+    def copy(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
+        """Make ``dst`` share ``src``'s cells at positions ``[p0, p1)`` (no data is copied)."""
+        self._lib.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
 
-        The returned array is a view of llama.cpp's buffer, valid until the
-        next call: no vocabulary-sized copy is made.
+    def decode(self, items: list[tuple[int, np.ndarray, int]]) -> list[np.ndarray]:
+        """Evaluate several sequences' new tokens in as few llama_decode calls as fit.
+
+        ``items`` are ``(seq_id, tokens, pos)``: append ``tokens`` to sequence
+        ``seq_id`` at positions ``pos, pos+1, ...``. Returns, per item, the
+        logits after its last token. Logits from the final decode call are
+        views of llama.cpp's buffer (valid until the next call); only items
+        finished in an earlier chunk of a long prefill are copied.
         """
-        lib, batch = self._lib, self._batch
-        n = len(tokens)
-        if n == 0:
-            raise ValueError("eval needs at least one token")
-        for start in range(0, n, self.n_batch):
-            chunk = tokens[start:start + self.n_batch]
-            m = len(chunk)
-            for i in range(m):
-                batch.token[i] = int(chunk[i])
-                batch.pos[i] = pos + start + i
+        lib, batch, cap = self._lib, self._batch, self.n_batch
+        flat = [(it, j) for it, (_, toks, _) in enumerate(items) for j in range(len(toks))]
+        if not flat:
+            return []
+        out: list[np.ndarray | None] = [None] * len(items)
+        for start in range(0, len(flat), cap):
+            chunk = flat[start:start + cap]
+            owners = []
+            for i, (it, j) in enumerate(chunk):
+                seq_id, toks, pos = items[it]
+                batch.token[i] = int(toks[j])
+                batch.pos[i] = pos + j
                 batch.n_seq_id[i] = 1
                 batch.seq_id[i][0] = seq_id
-                batch.logits[i] = 0
-            last_chunk = start + m == n
-            batch.logits[m - 1] = 1 if last_chunk else 0
-            batch.n_tokens = m
+                last = j == len(toks) - 1
+                batch.logits[i] = 1 if last else 0
+                if last:
+                    owners.append((it, i))
+            batch.n_tokens = len(chunk)
             rc = lib.llama_decode(self._ctx, batch)
             if rc != 0:
-                raise RuntimeError(f"llama_decode failed with code {rc} (sequence {seq_id})")
-        ptr = lib.llama_get_logits_ith(self._ctx, -1)
-        return np.frombuffer(ctypes.cast(ptr, self._logits_t).contents, dtype=np.float32)
+                raise RuntimeError(f"llama_decode failed with code {rc} "
+                                   f"({len(chunk)} tokens; KV cache full?)")
+            final = start + cap >= len(flat)
+            for it, i in owners:
+                ptr = lib.llama_get_logits_ith(self._ctx, i)
+                arr = np.frombuffer(ctypes.cast(ptr, self._logits_t).contents, dtype=np.float32)
+                out[it] = arr if final else arr.copy()
+        return out  # type: ignore[return-value]
 
     def close(self) -> None:
         if getattr(self, "_ctx", None):

@@ -1,0 +1,161 @@
+"""DuoDecoding's branch and budget maths, as pure functions.
+
+* :func:`top_candidates` / :func:`branch_candidates`: the dynamic
+  multi-sequence rule. With p1 the draft's distribution at the position the
+  target will sample next and p2 its distribution one step further along the
+  top-1 choice, let θ = p1[top1] · p2[top2]. Every other top candidate of p1
+  whose probability exceeds θ starts its own branch.
+* :func:`split_budget`: share a token budget among branches.
+* :func:`predraft_budget` / :func:`sync_draft_len`: the hardware-aware budget,
+  from measured draft time per token and target time per step.
+* :func:`select_branch`: given the context the target produced, which
+  pre-drafted branch (if any) continues it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+TOP_K = 8
+
+
+def top_candidates(logits: np.ndarray, k: int = TOP_K) -> tuple[np.ndarray, np.ndarray]:
+    """Top-``k`` token ids and their softmax probabilities, most likely first.
+
+    Only ``k`` values leave this function: the full distribution is never copied.
+    """
+    logits = np.asarray(logits)
+    k = min(k, logits.shape[-1])
+    idx = np.argpartition(logits, -k)[-k:]
+    top = logits[idx].astype(np.float64)
+    m = float(logits.max())
+    denom = _sum_exp(logits, m)
+    probs = np.exp(top - m) / denom
+    order = np.argsort(-probs, kind="stable")
+    return idx[order].astype(np.int64), probs[order]
+
+
+def _sum_exp(logits: np.ndarray, m: float) -> float:
+    # float32 exp over the vocabulary, summed in float64: no float64 copy of logits
+    return float(np.exp(logits - np.float32(m)).sum(dtype=np.float64))
+
+
+def branch_candidates(top_ids: np.ndarray, top_probs: np.ndarray, p2_top: float,
+                      max_branches: int) -> list[int]:
+    """First tokens of the branches to draft: top-1 always, others above θ.
+
+    ``top_probs`` are sorted descending; ``p2_top`` is the top probability one
+    position later, along the top-1 choice. θ = top_probs[0] · p2_top.
+    """
+    if len(top_ids) == 0:
+        return []
+    theta = float(top_probs[0]) * float(p2_top)
+    chosen = [int(top_ids[0])]
+    for tok, p in zip(top_ids[1:], top_probs[1:]):
+        if len(chosen) >= max_branches:
+            break
+        if float(p) > theta:
+            chosen.append(int(tok))
+    return chosen
+
+
+def split_budget(total: int, weights: list[float], cap: int, alpha: float = 0.8) -> list[int]:
+    """Share ``total`` draft evaluations among branches, by expected accepted tokens.
+
+    Branch j is taken with probability ``weights[j]``; its i-th token is then
+    accepted with probability about ``alpha ** i``. Each evaluation goes to
+    the branch where it adds the most expected accepted tokens,
+    ``weights[j] * alpha ** alloc[j]`` (ties: the earlier branch), and no
+    branch gets more than ``cap``. A confident draft thus puts everything in
+    its top-1 chain; an unsure one spreads over the branches the θ rule opened.
+    """
+    n = len(weights)
+    alloc = [0] * n
+    for _ in range(max(0, min(total, cap * n))):
+        gains = [(weights[j] * alpha ** alloc[j] if alloc[j] < cap else -1.0, -j)
+                 for j in range(n)]
+        _, neg_j = max(gains)
+        alloc[-neg_j] += 1
+    return alloc
+
+
+def predraft_budget(target_step_s: float, draft_token_s: float, catch_up: int,
+                    k: int, rows: int) -> int:
+    """Draft tokens per request that fit in one target step, beyond ``catch_up``.
+
+    The actor evaluates ``catch_up`` tokens per request first (the last token
+    of the draft it just returned), then drafts ahead. To finish when the
+    target does, it evaluates about ``target_step_s / draft_token_s`` tokens in
+    all (rounded to nearest: the deadline in the drafter stops an overshoot).
+    The result is per request, at least 1 and at most ``k`` (a branch of
+    ``k`` evaluated tokens yields a full draft of ``k``).
+    """
+    if draft_token_s <= 0 or rows <= 0:
+        return k
+    total = int(target_step_s / draft_token_s + 0.5) - catch_up * rows
+    return max(1, min(k, total // rows))
+
+
+def expected_accepted(alpha: float, n: int) -> float:
+    """Expected accepted tokens of an ``n``-token draft, i.i.d. acceptance ``alpha``."""
+    if n <= 0:
+        return 0.0
+    if alpha >= 1.0:
+        return float(n)
+    return alpha * (1 - alpha ** n) / (1 - alpha)
+
+
+def sync_draft_len(alpha: float, draft_token_s: float, target_step_s: float,
+                   verify_token_s: float, k: int) -> int:
+    """How many tokens to draft while the target waits (a pre-draft miss).
+
+    Maximises expected tokens per second of this step:
+    (1 + E[accepted(n)]) / (n · draft_token_s + target_step_s + n · verify_token_s).
+    Zero is allowed: then the target decodes one token while the actor
+    pre-drafts the next step.
+    """
+    best_n, best_rate = 0, -1.0
+    for n in range(0, k + 1):
+        t = n * draft_token_s + target_step_s + n * verify_token_s
+        rate = (1 + expected_accepted(alpha, n)) / t if t > 0 else 0.0
+        if rate > best_rate + 1e-12:
+            best_n, best_rate = n, rate
+    return best_n
+
+
+@dataclass
+class Branch:
+    """A pre-drafted continuation: ``tokens[0]`` is the candidate for the target's next token."""
+
+    tokens: list[int]
+    prob: float
+    seq_id: int
+
+
+@dataclass
+class Tree:
+    """The pre-draft for one request: branches that continue ``prefix``."""
+
+    prefix: np.ndarray  # the context assuming the last draft is fully accepted
+    branches: list[Branch] = field(default_factory=list)
+
+
+def select_branch(tree: Tree | None, context: np.ndarray) -> Branch | None:
+    """The branch that continues ``context``, if the pre-draft foresaw it.
+
+    It does when ``context`` is ``tree.prefix`` plus exactly one token (the
+    target accepted the whole draft and sampled one more) and that token
+    starts a branch.
+    """
+    if tree is None or len(context) != len(tree.prefix) + 1:
+        return None
+    if not np.array_equal(context[:-1], tree.prefix):
+        return None
+    b = int(context[-1])
+    for br in tree.branches:
+        if br.tokens and br.tokens[0] == b:
+            return br
+    return None

@@ -1,0 +1,88 @@
+"""The θ rule, the budget split, the hardware budget and branch selection, by hand."""
+
+import numpy as np
+import pytest
+
+from duo_vllm.branching import (
+    Branch, Tree, branch_candidates, expected_accepted, predraft_budget, select_branch,
+    split_budget, sync_draft_len, top_candidates,
+)
+
+
+def logits_for(probs: dict[int, float], n: int = 16) -> np.ndarray:
+    """Logits whose softmax puts exactly ``probs`` on the given ids (rest shared evenly)."""
+    rest = (1.0 - sum(probs.values())) / (n - len(probs))
+    p = np.full(n, rest)
+    for i, v in probs.items():
+        p[i] = v
+    return np.log(p).astype(np.float32)
+
+
+def test_top_candidates_are_sorted_softmax_probabilities():
+    ids, probs = top_candidates(logits_for({3: 0.5, 7: 0.3, 1: 0.1}), k=3)
+    assert list(ids) == [3, 7, 1]
+    np.testing.assert_allclose(probs, [0.5, 0.3, 0.1], rtol=1e-5)
+
+
+def test_theta_rule_keeps_candidates_above_theta():
+    ids = np.array([3, 7, 1, 9])
+    probs = np.array([0.5, 0.3, 0.1, 0.05])
+    # θ = 0.5 * 0.4 = 0.2: 7 (0.3) branches, 1 (0.1) does not
+    assert branch_candidates(ids, probs, p2_top=0.4, max_branches=4) == [3, 7]
+    # a confident draft (θ = 0.5 * 0.95) keeps one branch
+    assert branch_candidates(ids, probs, p2_top=0.95, max_branches=4) == [3]
+    # an unsure one (θ = 0.5 * 0.1 = 0.05) opens three; 0.05 is not > θ
+    assert branch_candidates(ids, probs, p2_top=0.1, max_branches=4) == [3, 7, 1]
+    assert branch_candidates(ids, probs, p2_top=0.1, max_branches=2) == [3, 7]
+    assert branch_candidates(np.array([]), np.array([]), 0.5, 4) == []
+
+
+@pytest.mark.parametrize("total, weights, alpha, cap, want", [
+    # a confident top-1: every evaluation extends it (0.9 * 0.8**3 > 0.1)
+    (4, [0.9, 0.1], 0.8, 4, [4, 0]),
+    # 0.5 > 0.4 (= 0.5 * 0.8) > 0.35: two to the top-1, then 0.35 > 0.32 (= 0.5 * 0.8**2)
+    (3, [0.5, 0.35], 0.8, 4, [2, 1]),
+    (3, [0.5, 0.3], 0.8, 4, [3, 0]),  # 0.3 < 0.32: the second branch gets nothing
+    (6, [0.4, 0.35, 0.25], 0.8, 4, [3, 2, 1]),
+    (20, [0.9, 0.1], 0.8, 4, [4, 4]),  # capped
+    (0, [1.0], 0.8, 4, [0]),
+    (5, [1.0], 0.8, 3, [3]),
+    (2, [0.5, 0.5], 0.9, 4, [1, 1]),  # ties go to the earlier branch first
+])
+def test_split_budget(total, weights, alpha, cap, want):
+    got = split_budget(total, weights, cap, alpha)
+    assert got == want
+    assert sum(got) == min(total, cap * len(weights))
+
+
+def test_predraft_budget_fills_the_target_step():
+    # 100 ms target step, 10 ms per draft token, 1 catch-up token: 9 tokens, clamped to k
+    assert predraft_budget(0.100, 0.010, catch_up=1, k=4, rows=1) == 4
+    assert predraft_budget(0.030, 0.010, catch_up=1, k=4, rows=1) == 2
+    # two requests share it
+    assert predraft_budget(0.100, 0.010, catch_up=1, k=8, rows=2) == 4
+    # never below one
+    assert predraft_budget(0.005, 0.010, catch_up=1, k=4, rows=1) == 1
+
+
+def test_expected_accepted():
+    assert expected_accepted(0.5, 0) == 0
+    assert expected_accepted(1.0, 3) == 3
+    assert expected_accepted(0.5, 2) == pytest.approx(0.5 + 0.25)
+
+
+def test_sync_draft_len_trades_waiting_for_acceptance():
+    # drafting is cheap and accurate: draft the most
+    assert sync_draft_len(0.9, 0.001, 0.05, 0.001, k=4) == 4
+    # drafting is expensive and the draft is poor: do not make the target wait
+    assert sync_draft_len(0.2, 0.05, 0.05, 0.001, k=4) == 0
+
+
+def test_select_branch_needs_full_acceptance_and_a_matching_first_token():
+    tree = Tree(np.array([1, 2, 3]), [Branch([7, 8, 9], 0.6, 0), Branch([5, 6], 0.3, 9)])
+    assert select_branch(tree, np.array([1, 2, 3, 5])).tokens == [5, 6]
+    assert select_branch(tree, np.array([1, 2, 3, 7])).seq_id == 0
+    assert select_branch(tree, np.array([1, 2, 3, 4])) is None  # sampled outside the branches
+    assert select_branch(tree, np.array([1, 2, 7])) is None  # partial accept
+    assert select_branch(tree, np.array([1, 2, 4, 7])) is None  # different prefix
+    assert select_branch(None, np.array([1])) is None

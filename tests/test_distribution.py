@@ -1,0 +1,80 @@
+"""Sampling with DuoProposer keeps the target's distribution (temperature 1, top-p 0.9).
+
+Many short continuations of two prompts are sampled with plain vLLM and with
+DuoProposer (same engine settings, fixed per-request seeds). The frequencies
+of the 1st, 2nd and 3rd generated tokens are compared with a chi-square test
+of homogeneity. The 1st token comes from the prefill; the 2nd and 3rd go
+through speculative verification. The same test is run against a
+deliberately lossy set-up, DuoProposer with vLLM's "synthetic" rejection
+sampler (it accepts drafts without looking at the target), to show that the
+test can fail.
+"""
+
+from collections import Counter
+
+import pytest
+from scipy.stats import chi2_contingency
+
+from duo_vllm.cli import speculative_config
+from tests.conftest import run_vllm
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = ["Once upon a time, there was a", "My favourite thing to eat is"]
+SAMPLES = 300  # per prompt and method
+POSITIONS = (0, 1, 2)
+P_MIN = 1e-3  # equal distributions: fail at most 1 in 1000 (seeds are fixed anyway)
+
+
+def sample(session_tmp, target_dir, name, spec):
+    prompts = [p for p in PROMPTS for _ in range(SAMPLES)]
+    out = run_vllm(session_tmp, name, target=target_dir, prompts=prompts, max_tokens=3,
+                   temperature=1.0, top_p=0.9, seeds=list(range(len(prompts))),
+                   max_num_seqs=16, speculative_config=spec, timeout=1200)
+    ids = [o[0] for o in out["token_ids"]]
+    return {p: ids[i * SAMPLES:(i + 1) * SAMPLES] for i, p in enumerate(PROMPTS)}, out
+
+
+def homogeneity_p(a: list[int], b: list[int], min_count: int = 10) -> float:
+    """Chi-square test p-value that two samples of tokens share a distribution."""
+    ca, cb = Counter(a), Counter(b)
+    keep = [t for t in set(ca) | set(cb) if ca[t] + cb[t] >= min_count]
+    rows = [[ca[t] for t in keep], [cb[t] for t in keep]]
+    rows[0].append(len(a) - sum(rows[0]))  # everything rarer, pooled
+    rows[1].append(len(b) - sum(rows[1]))
+    if rows[0][-1] + rows[1][-1] == 0:
+        rows = [r[:-1] for r in rows]
+    if len(rows[0]) < 2:
+        return 1.0  # a single category on both sides: identical
+    return float(chi2_contingency(rows)[1])
+
+
+def p_values(ref, other):
+    return {(p, pos): homogeneity_p([s[pos] for s in ref[p]], [s[pos] for s in other[p]])
+            for p in PROMPTS for pos in POSITIONS}
+
+
+@pytest.fixture(scope="module")
+def plain_samples(session_tmp, target_dir):
+    return sample(session_tmp, target_dir, "dist_plain", None)[0]
+
+
+def duo_spec(**extra):
+    spec = speculative_config(4, {"max_sequences": 16})
+    spec.update(extra)
+    return spec
+
+
+def test_duo_sampling_matches_plain_distribution(session_tmp, target_dir, plain_samples):
+    duo, out = sample(session_tmp, target_dir, "dist_duo", duo_spec())
+    assert out["metrics"]["accepted"] > 0, out["metrics"]  # drafts were really verified
+    pv = p_values(plain_samples, duo)
+    assert min(pv.values()) > P_MIN, pv
+
+
+def test_the_distribution_test_catches_a_lossy_proposer(session_tmp, target_dir, plain_samples):
+    lossy_spec = duo_spec(rejection_sample_method="synthetic",
+                          synthetic_acceptance_rates=[1.0, 1.0, 1.0, 1.0])
+    lossy, _ = sample(session_tmp, target_dir, "dist_lossy", lossy_spec)
+    pv = p_values(plain_samples, lossy)
+    assert min(pv[(p, 1)] for p in PROMPTS) < 1e-6, pv
