@@ -241,22 +241,23 @@ class DuoDrafter:
         self._clear_tree(slot.seq_id)
         return list(branch.tokens[1:1 + k])
 
-    def _sync_len(self, k: int) -> int:
+    def _sync_len(self, k: int, rows: int) -> int:
+        """Chain length while vLLM waits; each depth costs a token for each of ``rows``."""
         policy = self.policy
         if policy.budget is not None:
             return min(policy.budget, k)
         if not policy.parallel:
             return k
         step = self.target_step_s or 0.05
-        return min(k, sync_draft_len(self.alpha.get(0.7), self.token_s.get(0.015), step,
-                                     verify_token_s=0.1 * step, k=k))
+        return min(k, sync_draft_len(self.alpha.get(0.7), rows * self.token_s.get(0.015),
+                                     step, verify_token_s=0.1 * step, k=k))
 
     def _draft_chains(self, contexts, misses, out) -> None:
         """Greedy chains from the real contexts, all requests decoded together."""
         live = []
         items = []
         for row, slot, k in misses:
-            n = self._sync_len(k)
+            n = self._sync_len(k, len(misses))
             if n <= 0:
                 continue
             ctx = contexts[row]

@@ -18,13 +18,10 @@ implementation of the kernel's contract.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 logger = logging.getLogger(__name__)
-
-SKIP_ENV = "DUO_VLLM_SKIP_VLLM_FIXES"  # "1": leave vLLM as it is (tests' lossy control)
 
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 
@@ -47,10 +44,6 @@ def fix_cpu_expand_kernel() -> bool:
     that does not override the kernel (GPU, or CPU with Triton), or already
     routes it elsewhere, is left alone.
     """
-    if os.environ.get(SKIP_ENV) == "1":
-        logger.warning("duo_vllm: %s=1, vLLM's CPU expand_kernel left unfixed: sampled "
-                       "requests are NOT lossless", SKIP_ENV)
-        return False
     try:
         from vllm.triton_utils import dispatcher
         from vllm.utils import cpu_triton_utils

@@ -1,0 +1,29 @@
+"""A deliberately lossy DuoProposer, the control of tests/test_distribution.py.
+
+Loaded by vLLM as ``lossy_proposer.LossyDuoProposer`` (tests/ is on the
+runner's path). It drafts like DuoProposer, then sabotages verification: the
+rejection sampler's per-token temperatures are all set to 0.5, so drafts are
+judged against a sharper distribution than the one the target samples from.
+"""
+
+from duo_vllm.proposer import DuoProposer
+
+SABOTAGED_TEMPERATURE = 0.5
+
+
+def _lossy_expand(output, input_val, cu_num_tokens, replace_from, replace_to,
+                  MAX_NUM_TOKENS=None):  # noqa: N803
+    from duo_vllm.vllm_patches import expand_kernel_impl
+
+    expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to)
+    if output.is_floating_point():  # temperature and top-p; top-k is left alone
+        output.clamp_(max=SABOTAGED_TEMPERATURE)
+
+
+class LossyDuoProposer(DuoProposer):
+    def __init__(self, vllm_config):
+        super().__init__(vllm_config)
+        import vllm.v1.sample.rejection_sampler as rs
+
+        rs.expand_kernel._impl = _lossy_expand
+        rs.expand_kernel.func = _lossy_expand
