@@ -195,7 +195,8 @@ class DuoDrafter:
                 st.branch_hits[tree.branches.index(branch)] += 1
             else:
                 self._clear_tree(slot.seq_id)
-                if serve and not self._prefill_in_background(len(ctx) - a.reuse):
+                if serve and not self._prefill_in_background(len(ctx) - a.reuse,
+                                                             len(contexts)):
                     misses.append((row, slot, k))
         if misses:
             self._draft_chains(contexts, misses, out)
@@ -211,7 +212,7 @@ class DuoDrafter:
         st.busy_s += time.perf_counter() - t0
         return out
 
-    def _prefill_in_background(self, new_tokens: int) -> bool:
+    def _prefill_in_background(self, new_tokens: int, rows: int = 1) -> bool:
         """Too many new tokens to evaluate while vLLM waits (a new prompt, say)?
 
         Then this step goes without a draft and the pre-draft evaluates them
@@ -220,7 +221,9 @@ class DuoDrafter:
         if not self.policy.parallel or self.policy.budget == 0:
             return False
         step = self.target_step_s or 0.05
-        return new_tokens > max(self.policy.k + 1, int(step / self.prefill_s.get(0.006)))
+        # what fits in one target step, shared by the requests of this step
+        fits = int(step / self.prefill_s.get(0.006) / max(rows, 1))
+        return new_tokens > max(self.policy.k + 1, fits)
 
     def _observe_acceptance(self, slot_id: int, ctx: np.ndarray) -> None:
         prev = self.last_draft.get(slot_id)

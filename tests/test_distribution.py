@@ -82,4 +82,6 @@ def test_the_distribution_test_catches_a_lossy_proposer(session_tmp, target_dir,
     lossy_spec = dict(duo_spec(), model="lossy_proposer.LossyDuoProposer")
     lossy, _ = sample(session_tmp, target_dir, "dist_lossy", lossy_spec)
     pv = p_values(plain_samples, lossy)
-    assert min(pv[(p, 1)] for p in PROMPTS) < 1e-6, pv
+    # the decision rule of test_duo_sampling_matches_plain_distribution rejects it
+    # (measured here: p = 1.4e-4 and 4.7e-4 at the 2nd/3rd tokens)
+    assert min(pv.values()) < P_MIN, pv
