@@ -98,7 +98,7 @@ def run_method(name: str, target: str, prompts: list[str], max_tokens: int,
     return json.loads(out.read_text())
 
 
-def summarise(results: dict, tasks: list[str]) -> str:
+def summarise(results: dict) -> str:
     def tps(r):
         return [row["tokens"] / row["seconds"] for row in r["rows"]]
 
@@ -158,7 +158,7 @@ def main() -> int:
             results[name] = run_method(name, target, prompts, args.max_tokens, Path(tmp),
                                        args.dtype)
             print(f"[bench] {name}: done in {time.time() - t0:.0f}s", file=sys.stderr)
-    table = summarise(results, [t for t, _ in pairs])
+    table = summarise(results)
     print(f"\nmachine: {os.cpu_count()} cores; batch 1, greedy, {args.max_tokens} new tokens, "
           f"{len(prompts)} Spec-Bench prompts; default pair = SmolLM2-135M-Instruct at two "
           "precisions (Q4_1 draft, dequantised target)\n")
