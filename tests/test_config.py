@@ -21,11 +21,22 @@ def test_defaults_are_valid():
     ({"draft_cores": [-2]}, "draft_cores"),
     ({"use_actor": "yes"}, "use_actor"),
     ({"propose_timeout_s": 0}, "propose_timeout_s"),
+    ({"propose_timeout_s": "soon"}, "propose_timeout_s"),
+    ({"max_restarts": -1}, "max_restarts"),
+    ({"resources": {"duo_draft": 0}}, "resources"),
+    ({"resources": ["duo_draft"]}, "resources"),
     ({"max_sequences": 1.5}, "max_sequences"),
 ])
 def test_bad_values_name_the_option(bad, words):
     with pytest.raises(DuoConfigError, match=words):
         DuoConfig.from_dict(bad)
+
+
+def test_placement_and_fault_options():
+    cfg = DuoConfig.from_dict({"resources": {"duo_draft": 1}, "propose_timeout_s": 0.5,
+                               "max_restarts": 0})
+    assert cfg.resources == {"duo_draft": 1} and cfg.propose_timeout_s == 0.5
+    assert DuoConfig().propose_timeout_s == "auto" and DuoConfig().max_restarts == 3
 
 
 def test_unknown_option_lists_the_valid_ones():

@@ -1,5 +1,4 @@
 import numpy as np
-import pytest
 
 from duo_vllm.drafter import DraftPolicy, DuoDrafter
 from tests.fakes import FakeBackend
@@ -246,7 +245,6 @@ def test_worker_never_makes_vllm_wait_for_a_prefill():
     freeze_timings(w.drafter, token_s=0.02, prefill_s=0.02)
     try:
         prompt = ctx(*[(3 * i) % 50 for i in range(100)])  # 100 tokens: 2 s of prefill
-        t0 = time.perf_counter()
         assert w.propose([prompt], [3], 0.05) == [[]]
         time.sleep(0.1)  # the background prefill is under way
         seq = prompt

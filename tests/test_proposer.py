@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from duo_vllm.models import ModelNotFoundError, default_draft_gguf
+from duo_vllm.models import ModelNotFoundError
 from duo_vllm.proposer import DuoProposer
 from duo_vllm.vocab import VocabMismatchError
 
@@ -57,17 +57,19 @@ def test_draft_failure_falls_back_to_plain_decoding(inproc, caplog):
     def broken(*_):
         raise RuntimeError("draft process crashed")
 
-    saved = inproc._call
-    inproc._call = broken
+    worker = inproc._worker
+    saved = worker.propose
+    worker.propose = broken
     try:
         ids, n = batch([[1, 2, 3]])
         with caplog.at_level(logging.WARNING):
             assert inproc.propose([[3]], n, ids) == [[]]
         assert "falling back to plain decoding" in caplog.text
-        inproc._call = saved
+        worker.propose = saved
         assert inproc.propose([[3]], n, ids) == [[]]  # stays on plain decoding
+        assert inproc.stats()["fallback"] is True
     finally:
-        inproc._call = saved
+        worker.propose = saved
         inproc._failed = False
 
 
@@ -114,14 +116,36 @@ def test_ray_actor_is_named_pinned_and_shared(target_dir):
            "budget": 4}
     try:
         p1 = DuoProposer(vllm_config(target_dir, duo=cfg))
-        info = ray.get(p1._actor.info.remote())
+        info = p1._client.info
         assert info["cores"] == [1] and info["n_threads"] == 1 and info["pid"] != os.getpid()
         assert ray.get_actor("duo_test_actor", namespace="duo_test") is not None
         with pytest.raises(ValueError):
             ray.get_actor("duo_test_actor", namespace="some_other_job")
         p2 = DuoProposer(vllm_config(target_dir, duo=cfg))  # attaches to the same actor
-        assert ray.get(p2._actor.info.remote())["pid"] == info["pid"]
+        assert p2._client.call("info")["pid"] == info["pid"]
+        assert info["node_id"] == ray.get_runtime_context().get_node_id()
         ids, n = batch([[1, 2, 3, 4]])
         assert len(p2.propose([[4]], n, ids)[0]) == 4
+    finally:
+        ray.shutdown()
+
+
+def test_cores_that_do_not_exist_are_a_startup_error(target_dir):
+    from duo_vllm.config import DuoConfigError
+
+    with pytest.raises(DuoConfigError, match=r"draft_cores \[4096\] name CPU\(s\) \[4096\] that "
+                                             r"do not exist"):
+        DuoProposer(vllm_config(target_dir, duo={"draft_cores": [4096]}))
+
+
+def test_corrupt_gguf_in_the_actor_is_a_readable_startup_error(target_dir, tmp_path):
+    import ray
+
+    bad = tmp_path / "corrupt.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(4096))
+    try:
+        with pytest.raises(Exception, match="not a valid GGUF model"):
+            DuoProposer(vllm_config(target_dir, duo={"draft_model": str(bad), "draft_cores": [1],
+                                                     "actor_name": "duo_test_corrupt"}))
     finally:
         ray.shutdown()

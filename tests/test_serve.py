@@ -1,91 +1,36 @@
-"""`vllm serve` (the OpenAI API server) with DuoProposer, against a plain server."""
+"""`vllm serve` (the OpenAI API server) with DuoProposer, against a plain server.
 
-import json
+One plain and one DuoProposer server for the whole module. The DuoProposer
+server's draft context is 512 tokens (``n_ctx``), less than the target's 2048,
+so that a long prompt outgrows the draft but not the target. In order:
+single requests, a concurrent load with aborts, a killed and a stalled draft
+actor, and bad input. Every completed greedy request must equal plain vLLM's.
+"""
+
 import os
-import socket
-import subprocess
-import sys
+import signal
+import threading
 import time
 
 import pytest
 import requests
 
+from benchmarks.load import build_requests, compare, latency, run_load
+from benchmarks.server import Server
 from duo_vllm.cli import speculative_config
-from tests.conftest import E2E_ENV
 
 pytestmark = pytest.mark.e2e
 
 MESSAGES = [{"role": "user", "content": "Give three tips for writing clear Python code."}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 (what `vllm serve` runs)."""
-
-    def __init__(self, target, log_path, spec=None):
-        self.port = free_port()
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
-               "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", "2048",
-               "--seed", "0", "--dtype", "float32"]
-        if spec:
-            cmd += ["--speculative-config", json.dumps(spec)]
-        self.log_path = log_path
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **E2E_ENV}, start_new_session=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.model = target
-
-    def wait_ready(self, timeout=600):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited early:\n{open(self.log_path).read()[-4000:]}")
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(2)
-        raise AssertionError("server did not become ready in time")
-
-    def chat(self, stream: bool, max_tokens=64) -> str:
-        body = {"model": self.model, "messages": MESSAGES, "max_tokens": max_tokens,
-                "temperature": 0.0, "stream": stream}
-        r = requests.post(self.url + "/v1/chat/completions", json=body, stream=stream,
-                          timeout=300)
-        r.raise_for_status()
-        if not stream:
-            return r.json()["choices"][0]["message"]["content"]
-        parts = []
-        for line in r.iter_lines(decode_unicode=True):
-            if not line or not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            delta = json.loads(line[len("data: "):])["choices"][0]["delta"]
-            parts.append(delta.get("content") or "")
-        return "".join(parts)
-
-    def metrics(self) -> str:
-        return requests.get(self.url + "/metrics", timeout=10).text
-
-    def stop(self):
-        try:
-            os.killpg(self.proc.pid, 15)
-            self.proc.wait(timeout=60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(self.proc.pid, 9)
-        self.log.close()
+DRAFT_N_CTX = 512
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 
 
 @pytest.fixture(scope="module")
 def servers(target_dir, session_tmp):
     plain = Server(target_dir, session_tmp / "serve_plain.log")
-    duo = Server(target_dir, session_tmp / "serve_duo.log", spec=speculative_config(4))
+    duo = Server(target_dir, session_tmp / "serve_duo.log",
+                 spec=speculative_config(4, {"n_ctx": DRAFT_N_CTX}))
     try:
         plain.wait_ready()
         duo.wait_ready()
@@ -95,20 +40,192 @@ def servers(target_dir, session_tmp):
         duo.stop()
 
 
-def _counter(metrics_text: str, name: str) -> float:
-    total = 0.0
-    for line in metrics_text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def test_chat_streamed_and_not_equal_plain_vllm(servers):
     plain, duo = servers
-    want = plain.chat(stream=False)
-    assert want.strip()
-    assert duo.chat(stream=False) == want
-    assert duo.chat(stream=True) == want
-    metrics = duo.metrics()
-    assert _counter(metrics, "vllm:spec_decode_num_accepted_tokens_total") > 0
-    assert "DuoProposer: draft" in open(duo.log_path).read()
+    want = plain.chat(MESSAGES, max_tokens=64)["texts"]
+    assert want[0].strip()
+    assert duo.chat(MESSAGES, max_tokens=64)["texts"] == want
+    assert duo.chat(MESSAGES, stream=True, max_tokens=64)["texts"] == want
+    assert duo.counter(ACCEPTED) > 0
+    assert "DuoProposer: draft" in duo.log_text()
+
+
+def _settled(server: Server, timeout: float = 60) -> bool:
+    """No request left running or waiting (aborted streams were cleaned up)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        m = server.metrics()
+        busy = [line for line in m.splitlines()
+                if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))
+                and float(line.rsplit(" ", 1)[1]) > 0]
+        if not busy:
+            return True
+        time.sleep(1)
+    return False
+
+
+def test_concurrent_load_with_aborts_matches_plain(servers):
+    """32 concurrent requests: streamed or not, stop strings, n=2, some closed mid-stream."""
+    from duo_vllm.prompts import load_specbench
+
+    plain, duo = servers
+    prompts = [p for _, p in load_specbench(per_task=2)]
+    reqs = build_requests(prompts, 32)
+    assert sum(r.abort_after is not None for r in reqs) >= 4 and any(r.n == 2 for r in reqs)
+    accepted_before = duo.counter(ACCEPTED)
+    ref = run_load(plain.url, plain.model, reqs)
+    got = run_load(duo.url, duo.model, reqs)
+    assert compare(reqs, ref, got) == []
+    done = [r for r in got if not r.aborted]
+    assert len(done) == len(reqs) - sum(r.abort_after is not None for r in reqs)
+    # stop strings took effect (the same way as plain, checked above)
+    assert any(f == "stop" for r, q in zip(done, reqs) if q.stop for f in r.finish)
+    assert _settled(plain) and _settled(duo) and plain.healthy() and duo.healthy()
+    assert duo.counter(ACCEPTED) > accepted_before
+    print(f"\nload latency: plain {latency(ref)}, duo {latency(got)}")
+
+
+FAULT_PROMPTS = ["Write a short story about a robot learning to paint.",
+                 "Explain how a bicycle stays upright.",
+                 "List ten fruits and one fact about each."]
+
+
+def _in_flight(server: Server, results: dict):
+    def one(i, prompt):
+        results[i] = server.chat([{"role": "user", "content": prompt}], stream=True,
+                                 max_tokens=96)["texts"]
+
+    threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(FAULT_PROMPTS)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _plain_answers(plain: Server) -> dict:
+    return {i: plain.chat([{"role": "user", "content": p}], max_tokens=96)["texts"]
+            for i, p in enumerate(FAULT_PROMPTS)}
+
+
+def _drafting_resumes(duo: Server, log_line: str, timeout: float = 120) -> None:
+    """Send requests until ``log_line`` is logged and drafts are accepted again."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        before = duo.counter(ACCEPTED)
+        duo.chat(MESSAGES, max_tokens=32)
+        if log_line in duo.log_text() and duo.counter(ACCEPTED) > before:
+            return
+        time.sleep(1)
+    raise AssertionError(f"drafting did not resume ({log_line!r} logged: "
+                         f"{log_line in duo.log_text()})")
+
+
+def test_killed_draft_actor_falls_back_restarts_and_resumes(servers):
+    plain, duo = servers
+    want = _plain_answers(plain)
+    pid = duo.draft_actor_pid()
+    assert pid is not None
+    got: dict = {}
+    threads = _in_flight(duo, got)
+    time.sleep(1.0)  # generating
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=300)
+    assert got == want  # in-flight requests completed, and correctly
+    assert "draft actor is gone" in duo.log_text()
+    _drafting_resumes(duo, "draft actor restarted")
+    assert "restart 1 of at most 3" in duo.log_text()  # the first replacement came up
+    assert duo.draft_actor_pid() not in (None, pid)
+    assert duo.healthy()
+
+
+def test_stalled_draft_actor_costs_a_bounded_wait(servers):
+    plain, duo = servers
+    want = _plain_answers(plain)
+    pid = duo.draft_actor_pid()
+    got: dict = {}
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.time()
+        threads = _in_flight(duo, got)
+        for t in threads:
+            t.join(timeout=120)
+        stalled_for = time.time() - t0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert got == want, stalled_for  # plain decoding while the actor was stopped
+    assert "has not answered for" in duo.log_text()
+    _drafting_resumes(duo, "draft actor answers again")
+    assert duo.draft_actor_pid() == pid  # a stall is not a death: no restart
+
+
+# --- bad input: the same answer as plain vLLM, and a healthy server -------------------------
+
+def _both(servers, path: str, **kwargs):
+    out = []
+    for s in servers:
+        r = requests.post(s.url + path, timeout=300, **kwargs)
+        out.append((r.status_code, r.json() if r.headers.get("content-type", "").startswith(
+            "application/json") else r.text))
+    assert all(s.healthy() for s in servers)
+    return out
+
+
+def _texts(body):
+    return [c.get("text", c.get("message", {}).get("content")) for c in body["choices"]]
+
+
+def test_empty_prompt(servers):
+    plain, duo = servers
+    chat = {"model": plain.model, "messages": [{"role": "user", "content": ""}],
+            "max_tokens": 24, "temperature": 0.0}
+    (s1, b1), (s2, b2) = _both(servers, "/v1/chat/completions", json=chat)
+    assert s1 == s2 == 200 and _texts(b1) == _texts(b2)
+    comp = {"model": plain.model, "prompt": "", "max_tokens": 8, "temperature": 0.0}
+    (s1, b1), (s2, b2) = _both(servers, "/v1/completions", json=comp)
+    assert s1 == s2
+    if s1 == 200:
+        assert _texts(b1) == _texts(b2)
+
+
+def test_non_utf8_bytes(servers):
+    plain, _ = servers
+    raw = (b'{"model": "' + plain.model.encode() + b'", "max_tokens": 8, '
+           b'"messages": [{"role": "user", "content": "caf\xe9 \xff\xfe bytes"}]}')
+    (s1, _), (s2, _) = _both(servers, "/v1/chat/completions", data=raw,
+                             headers={"content-type": "application/json"})
+    assert s1 == s2 and 400 <= s1 < 500
+    # valid JSON, but a lone surrogate: not encodable as UTF-8
+    body = ('{"model": "%s", "max_tokens": 8, "temperature": 0, '
+            '"messages": [{"role": "user", "content": "half a pair \\udcff here"}]}'
+            % plain.model)
+    (s1, b1), (s2, b2) = _both(servers, "/v1/chat/completions", data=body.encode(),
+                               headers={"content-type": "application/json"})
+    assert s1 == s2
+    if s1 == 200:
+        assert _texts(b1) == _texts(b2)
+
+
+def test_prompt_longer_than_the_draft_context(servers, tokenizer):
+    plain, duo = servers
+    text = " ".join(f"Fact {i}: the number {i} follows {i - 1}." for i in range(1, 120))
+    assert DRAFT_N_CTX < len(tokenizer.encode(text)) < plain.max_model_len - 64
+    messages = [{"role": "user", "content": text + " What comes next?"}]
+    want = plain.chat(messages, max_tokens=32)["texts"]
+    assert duo.chat(messages, max_tokens=32)["texts"] == want
+    assert duo.chat(messages, stream=True, max_tokens=32)["texts"] == want
+    assert duo.healthy()
+
+
+def test_requests_at_max_model_len(servers, tokenizer):
+    plain, _ = servers
+    ids = tokenizer.encode(" the quick brown fox jumps over the lazy dog.")
+    prompt = (ids * (plain.max_model_len // len(ids) + 1))[: plain.max_model_len - 8]
+    fits = {"model": plain.model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+    (s1, b1), (s2, b2) = _both(servers, "/v1/completions", json=fits)
+    assert s1 == s2 == 200 and _texts(b1) == _texts(b2)
+    assert b1["usage"]["prompt_tokens"] + b1["usage"]["completion_tokens"] <= plain.max_model_len
+    too_long = dict(fits, max_tokens=9)
+    (s1, b1), (s2, b2) = _both(servers, "/v1/completions", json=too_long)
+    assert s1 == s2
+    if s1 == 200:
+        assert _texts(b1) == _texts(b2)

@@ -1,0 +1,228 @@
+"""The proposer's side of the draft actor: bounded waits, failures, restarts.
+
+vLLM's step loop must never hang on the draft side, and must never lose a
+request because of it. :class:`ActorClient` keeps both promises:
+
+- ``propose`` waits at most a bounded time (``propose_timeout_s``; ``"auto"``
+  is the actor's usual answer time, TCP-retransmit style (smoothed answer time
+  plus four mean deviations), plus half a target step). A call that misses it
+  stays in flight and is dropped when it lands; until then every step goes
+  without a draft instead of queueing behind a stalled actor. A miss is
+  counted (in the stats); a call late by more than ``STALL_WARN_S`` is a stall
+  and is logged as a warning, as is its end.
+- when the actor dies, the step goes without a draft, a warning is logged
+  and a replacement actor is started in the background; drafting resumes
+  once it answers. After ``max_restarts`` failed replacements the proposer
+  stays on plain decoding for good and says so.
+
+It does not know what the calls mean; :class:`duo_vllm.DuoProposer` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+START_TIMEOUT_S = 300.0  # loading a large GGUF takes a while; a hang does not
+AUTO_TIMEOUT_FIRST_S = 1.0  # before the first answer and step have been measured
+AUTO_TIMEOUT_MIN_S = 0.02
+STEP_FRACTION = 0.5
+STALL_WARN_S = 1.0  # a call this late is a stalled actor, worth a warning
+RETRY_S = 0.5  # wait before asking Ray again for a replacement actor
+
+
+def auto_timeout(answer_s: float | None, step_s: float | None,
+                 answer_dev_s: float = 0.0) -> float:
+    """The default bound on one propose() wait: the actor's usual answer time (smoothed
+    mean + 4 mean deviations) plus half a target step."""
+    if answer_s is None or step_s is None:
+        return AUTO_TIMEOUT_FIRST_S
+    return max(AUTO_TIMEOUT_MIN_S, answer_s + 4 * answer_dev_s + STEP_FRACTION * step_s)
+
+
+class ActorClient:
+    """Calls a draft actor without ever blocking vLLM for long.
+
+    ``create`` starts (or attaches to) the actor and returns its handle.
+    """
+
+    def __init__(self, create: Callable[[], Any], timeout_s: float | str, max_restarts: int,
+                 logger: logging.Logger):
+        import ray
+
+        self._ray, self._create, self._log = ray, create, logger
+        self._timeout = timeout_s
+        self.max_restarts = max_restarts
+        self.actor = create()
+        try:  # start-up errors (bad GGUF, bad cores) surface here
+            self.info: dict = ray.get(self.actor.info.remote(), timeout=START_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"DuoProposer: the draft actor did not start within "
+                               f"{START_TIMEOUT_S:.0f}s; see `ray status` for resources it "
+                               "may be waiting for") from None
+        self.restarts = 0  # replacement actors started
+        self.timeouts = 0  # propose() calls that returned no draft because the actor was slow
+        self.disabled = False  # gave up: plain decoding for good
+        self._pending = None  # a propose() call that missed its bound, still in flight
+        self._starting = None  # info() of a replacement actor, not answered yet
+        self._retry_at: float | None = None  # when to ask again for a replacement
+        self._failures = 0  # consecutive failed replacements
+        self._answer_s: float | None = None  # usual answer time (EMA)
+        self._answer_dev_s = 0.0  # its mean deviation (EMA)
+        self._stall_warned = False
+
+    # --- blocking calls: start-up, stats -----------------------------------------------------
+
+    def call(self, name: str, *args, timeout: float | None = None):
+        return self._ray.get(getattr(self.actor, name).remote(*args), timeout=timeout)
+
+    def submit(self, name: str, *args):
+        return getattr(self.actor, name).remote(*args)
+
+    def ready(self, ref) -> bool:
+        return bool(self._ray.wait([ref], timeout=0)[0])
+
+    def get(self, ref, timeout: float | None = None):
+        return self._ray.get(ref, timeout=timeout)
+
+    # --- the step's call ---------------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        return not self.disabled and self._starting is None and self._retry_at is None
+
+    def timeout_for(self, step_s: float | None) -> float:
+        if self._timeout == "auto":
+            return auto_timeout(self._answer_s, step_s, self._answer_dev_s)
+        return float(self._timeout)
+
+    def propose(self, contexts, budgets, step_s: float | None) -> list[list[int]] | None:
+        """The actor's drafts, or ``None`` when this step must go without."""
+        if self.disabled or not self._replacement_ready() or not self._pending_done():
+            return None
+        timeout = self.timeout_for(step_s)
+        t0 = time.perf_counter()
+        ref = self.actor.propose.remote(contexts, budgets, step_s)
+        if not self._ray.wait([ref], timeout=timeout)[0]:
+            self._pending = (ref, t0, timeout)
+            self.timeouts += 1
+            self._log.debug("DuoProposer: the draft actor did not answer within %.0f ms; "
+                            "this step decodes without a draft", 1e3 * timeout)
+            return None
+        try:
+            drafts = self._ray.get(ref)
+        except Exception as e:
+            self._on_error(e)
+            return None
+        self._observe_answer(time.perf_counter() - t0)
+        return drafts
+
+    def _observe_answer(self, seconds: float) -> None:
+        a = self._answer_s
+        if a is None:
+            self._answer_s, self._answer_dev_s = seconds, seconds / 2
+            return
+        self._answer_dev_s += 0.25 * (abs(seconds - a) - self._answer_dev_s)
+        self._answer_s = a + 0.125 * (seconds - a)
+
+    def _pending_done(self) -> bool:
+        """Has the late call landed? (Its drafts are stale and dropped.)"""
+        if self._pending is None:
+            return True
+        ref, t0, bound = self._pending
+        if not self.ready(ref):
+            late = time.perf_counter() - t0
+            if late > STALL_WARN_S and not self._stall_warned:
+                self._stall_warned = True
+                self._log.warning("DuoProposer: the draft actor has not answered for %.1f s "
+                                  "(bound %.0f ms); steps decode without a draft until it does",
+                                  late, 1e3 * bound)
+            return False
+        self._pending = None
+        try:
+            self._ray.get(ref)
+        except Exception as e:
+            self._on_error(e)
+            return False
+        # the actor's real pace (a new prompt's prefill, say) raises the auto bound, a
+        # little at a time: a stall that lasted seconds counts as 4 bounds at most
+        self._observe_answer(min(time.perf_counter() - t0, 4 * bound))
+        if self._stall_warned:
+            self._stall_warned = False
+            self._log.warning("DuoProposer: the draft actor answers again; drafting resumes")
+        return True
+
+    # --- failures and restarts ---------------------------------------------------------------
+
+    def _on_error(self, error: Exception) -> None:
+        if not _actor_gone(error):
+            # the actor is alive but the call failed: a bug, not a crash; do not retry it
+            self.disabled = True
+            self._log.error("DuoProposer: the draft actor raised %s: %s; falling back to plain "
+                            "decoding for good (output is unaffected, only slower)",
+                            type(error).__name__, error)
+            return
+        self._log.warning("DuoProposer: the draft actor is gone (%s); decoding without drafts "
+                          "(output is unaffected) while a new one starts", type(error).__name__)
+        self._restart()
+
+    def _restart(self) -> None:
+        if self.restarts >= self.max_restarts:
+            self.disabled = True
+            self._log.error("DuoProposer: the draft actor failed after %d restart(s); plain "
+                            "decoding from now on", self.restarts)
+            return
+        self._pending, self._stall_warned = None, False
+        dead = getattr(self.actor, "_actor_id", None)
+        try:  # a dead named actor keeps its name until killed explicitly
+            self._ray.kill(self.actor, no_restart=True)
+        except Exception:
+            pass
+        try:
+            actor = self._create()
+        except Exception as e:
+            self.disabled = True
+            self._log.error("DuoProposer: cannot start a new draft actor (%s: %s); plain "
+                            "decoding from now on", type(e).__name__, e)
+            return
+        if dead is not None and getattr(actor, "_actor_id", None) == dead:
+            # Ray has not released the dead actor's name yet: ask again in a moment
+            self._retry_at = time.monotonic() + RETRY_S
+            return
+        self.restarts += 1
+        self.actor = actor
+        self._starting = actor.info.remote()
+
+    def _replacement_ready(self) -> bool:
+        if self._retry_at is not None:
+            if time.monotonic() >= self._retry_at:
+                self._retry_at = None
+                self._restart()
+            return False
+        if self._starting is None:
+            return True
+        if not self.ready(self._starting):
+            return False
+        ref, self._starting = self._starting, None
+        try:
+            self.info = self._ray.get(ref)
+        except Exception as e:
+            self._log.warning("DuoProposer: the new draft actor failed to start (%s: %s)",
+                              type(e).__name__, e)
+            self._restart()
+            return False
+        self._answer_s = None
+        self._log.warning("DuoProposer: draft actor restarted (pid %d on node %s, restart %d "
+                          "of at most %d); drafting resumes", self.info["pid"],
+                          self.info["node_id"], self.restarts, self.max_restarts)
+        return True
+
+
+def _actor_gone(error: Exception) -> bool:
+    """Did the call fail because the actor process died or became unreachable?"""
+    try:
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(error, (ActorDiedError, ActorUnavailableError, RayActorError))

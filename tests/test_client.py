@@ -1,0 +1,146 @@
+"""ActorClient: bounded waits, a dead actor replaced, plain decoding in between.
+
+Real Ray actors, fake drafters: each answers ``propose`` with a known draft.
+"""
+
+import logging
+import os
+import signal
+import time
+
+import pytest
+
+from duo_vllm.client import AUTO_TIMEOUT_FIRST_S, ActorClient, auto_timeout
+
+log = logging.getLogger("test_client")
+
+
+def test_auto_timeout_is_usual_answer_plus_half_a_step():
+    assert auto_timeout(None, 0.05) == AUTO_TIMEOUT_FIRST_S
+    assert auto_timeout(0.002, None) == AUTO_TIMEOUT_FIRST_S
+    assert auto_timeout(0.010, 0.050) == pytest.approx(0.035)
+    assert auto_timeout(0.010, 0.050, answer_dev_s=0.005) == pytest.approx(0.055)
+    assert auto_timeout(0.0, 0.001) == pytest.approx(0.02)  # floor
+
+
+class FakeWorker:
+    """Drafts ``[len(context)] * budget``; ``delay`` seconds per call."""
+
+    def __init__(self, delay=0.0, fail_start=False):
+        if fail_start:
+            raise RuntimeError("cannot load the draft")
+        self.delay = delay
+
+    def info(self):
+        import ray
+
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    def set_delay(self, delay):
+        self.delay = delay
+
+    def set_broken(self):
+        self.broken = True
+
+    def propose(self, contexts, budgets, step_s):
+        if getattr(self, "broken", False):
+            raise ValueError("a bug in the drafter")
+        time.sleep(self.delay)
+        return [[len(c)] * b for c, b in zip(contexts, budgets)]
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, namespace="duo_test_client",
+             object_store_memory=128 * 1024 * 1024, logging_level=logging.WARNING)
+    yield ray
+    ray.shutdown()
+
+
+def make_client(ray_local, timeout="auto", max_restarts=2, **kw):
+    created = []
+
+    def create():
+        actor = ray_local.remote(num_cpus=0)(FakeWorker).remote(**kw)
+        created.append(actor)
+        return actor
+
+    return ActorClient(create, timeout, max_restarts, log), created
+
+
+def propose_until(client, want, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = client.propose([[1, 2, 3]], [2], 0.05)
+        if (out is not None) == want:
+            return out
+        time.sleep(0.05)
+    raise AssertionError(f"propose() never returned {'a draft' if want else 'None'}")
+
+
+def test_a_killed_actor_is_replaced_and_drafting_resumes(ray_local, caplog):
+    client, created = make_client(ray_local)
+    assert client.propose([[1, 2, 3]], [2], 0.05) == [[3, 3]]
+    pid = client.info["pid"]
+    os.kill(pid, signal.SIGKILL)
+    with caplog.at_level(logging.WARNING, logger="test_client"):
+        # the step during which it died, and those while the new one starts: no draft
+        assert propose_until(client, want=False) is None
+        assert propose_until(client, want=True) == [[3, 3]]
+    assert "draft actor is gone" in caplog.text and "draft actor restarted" in caplog.text
+    assert client.restarts == 1 and len(created) == 2 and client.info["pid"] != pid
+
+
+def test_a_stalled_actor_costs_one_bounded_wait(ray_local, caplog):
+    client, _ = make_client(ray_local, timeout=0.2)
+    assert client.propose([[1]], [1], 0.05) == [[1]]
+    client.call("set_delay", 1.5)
+    with caplog.at_level(logging.WARNING, logger="test_client"):
+        t0 = time.perf_counter()
+        assert client.propose([[1]], [1], 0.05) is None  # waits 0.2 s, not 1.5 s
+        waited = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        assert client.propose([[1]], [1], 0.05) is None  # the late call is still in flight
+        again = time.perf_counter() - t1
+        client.submit("set_delay", 0.0)  # runs once the late call is done
+        # steps go on without drafts; past STALL_WARN_S a warning, then drafting resumes
+        assert propose_until(client, want=True) == [[3, 3]]
+    assert 0.15 < waited < 1.0 and again < 0.15, (waited, again)
+    assert "has not answered for" in caplog.text and "answers again" in caplog.text
+    assert client.timeouts == 1 and client.restarts == 0
+
+
+def test_a_slow_answer_is_counted_not_logged(ray_local, caplog):
+    client, _ = make_client(ray_local, timeout=0.2)
+    client.call("set_delay", 0.4)  # late, but no stall
+    with caplog.at_level(logging.WARNING, logger="test_client"):
+        assert client.propose([[1]], [1], 0.05) is None
+        client.submit("set_delay", 0.0)
+        assert propose_until(client, want=True) == [[3, 3]]
+    assert client.timeouts == 1 and caplog.text == ""
+
+
+def test_a_drafter_bug_means_plain_decoding_for_good(ray_local, caplog):
+    client, _ = make_client(ray_local)
+    client.call("set_broken")  # the next call raises inside the actor
+    with caplog.at_level(logging.ERROR, logger="test_client"):
+        assert client.propose([[1]], [1], 0.05) is None
+    assert client.disabled and "falling back to plain decoding for good" in caplog.text
+    assert client.propose([[1]], [1], 0.05) is None
+
+
+def test_restarts_are_bounded(ray_local, caplog):
+    client, created = make_client(ray_local, max_restarts=1)
+    os.kill(client.info["pid"], signal.SIGKILL)
+    propose_until(client, want=False)
+    propose_until(client, want=True)
+    os.kill(client.info["pid"], signal.SIGKILL)
+    with caplog.at_level(logging.ERROR, logger="test_client"):
+        deadline = time.monotonic() + 30
+        while not client.disabled and time.monotonic() < deadline:
+            assert client.propose([[1]], [1], 0.05) is None or not client.disabled
+            time.sleep(0.05)
+    assert client.disabled and len(created) == 2
+    assert "failed after 1 restart(s)" in caplog.text
