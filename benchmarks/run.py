@@ -1,0 +1,480 @@
+"""DuoProposer against vLLM's own proposers on Spec-Bench, in one run.
+
+    python -m benchmarks.run                 # the full run (README table), ~50 min here
+    python -m benchmarks.run --quick         # smoke test: 1 prompt per task, 32 tokens
+    python -m benchmarks.run --jsonl my.jsonl --methods plain-1core duo-full
+
+Every method runs in a fresh engine (a process of its own, its own core
+binding) over the same prompts, in the target's chat template, and measures
+every shape in that engine: batch 1 (one request at a time: latency), greedy
+and sampled (temperature 0.7); batch 4 and 16 (``LLM.generate`` on a list:
+throughput), greedy. The first request of each engine is a warm-up. Speedups
+are ratios of medians against baselines measured in the same run. Greedy
+outputs of every method are compared with plain vLLM's and any difference is
+flagged in the table.
+
+Methods (2-core machine: DuoProposer's target on core 0, its draft on core 1):
+  plain-1core  plain vLLM, target on core 0 (the cores DuoProposer's target gets)
+  plain-all    plain vLLM on all cores (the fairest plain baseline on a CPU-only box)
+  ngram        vLLM's ngram (prompt lookup), all cores
+  draft_model  vLLM's draft-model method with an HF draft (here: the target itself,
+               the only HF model available), all cores; recorded as unavailable if
+               it does not run on CPU
+  suffix       vLLM's suffix decoding (needs arctic-inference); likewise
+  duo-serial   DuoProposer, drafting only while vLLM waits
+  duo-single   DuoProposer, parallel pre-drafting, one branch
+  duo-full     DuoProposer, parallel + multi-sequence + auto budget
+  oracle       replays plain-1core's greedy output (benchmarks/oracle.py), target on
+               core 0: perfect drafts at no cost, the ceiling
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+K = 4
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4,
+         "prompt_lookup_min": 2}
+METHODS = {
+    "plain-1core": dict(bind="0", spec=None),
+    "plain-all": dict(bind="0-1", spec=None),
+    "ngram": dict(bind="0-1", spec=NGRAM),
+    "draft_model": dict(bind="0-1", spec="draft_model"),
+    "suffix": dict(bind="0-1", spec={"method": "suffix", "num_speculative_tokens": K}),
+    "duo-serial": dict(bind="0", duo={"parallel": False, "multi_sequence": False,
+                                      "budget": K}),
+    "duo-single": dict(bind="0", duo={"parallel": True, "multi_sequence": False}),
+    "duo-full": dict(bind="0", duo={"parallel": True, "multi_sequence": True,
+                                    "budget": "auto"}),
+    "oracle": dict(bind="0", spec={"model": "benchmarks.oracle.OracleProposer",
+                                   "num_speculative_tokens": K}),
+}
+BASELINES = ("plain-1core", "plain-all", "ngram")
+PAIR_NOTE = ("The default pair is one model at two precisions: SmolLM2-135M-Instruct, a Q4_1 "
+             "GGUF draft and the float32 target dequantised from it, so acceptance is higher "
+             "than a genuinely smaller draft would give")
+
+
+# --- the engine side (one process per method) ----------------------------------------------
+
+def _duo_stats(llm) -> dict | None:
+    try:
+        return llm.llm_engine.collective_rpc(lambda self: self.model_runner.drafter.stats())[0]
+    except Exception as e:  # informative only
+        return {"error": repr(e)}
+
+
+def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
+    if not before or not after or "error" in before or "error" in after:
+        return after
+    d = {k: after[k] - before.get(k, 0) for k in
+         ("requests", "predraft_hits", "predraft_lookups", "steps", "returned_tokens")}
+    return {
+        "predraft_hit_rate": d["predraft_hits"] / d["requests"] if d["requests"] else 0.0,
+        "branch_hit_rate": (d["predraft_hits"] / d["predraft_lookups"]
+                            if d["predraft_lookups"] else 0.0),
+        "draft_tokens_per_step": d["returned_tokens"] / d["steps"] if d["steps"] else 0.0,
+        "busy_fraction": after.get("busy_fraction"),
+        "draft_token_ms": after.get("draft_token_ms"),
+        "target_step_ms": after.get("target_step_ms"),
+        "branch_count_distribution": after.get("branch_count_distribution"),
+    }
+
+
+def worker(req_path: str, out_path: str) -> None:
+    req = json.loads(Path(req_path).read_text())
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # stats from the local worker
+    from tqdm import tqdm
+    from vllm import LLM, SamplingParams
+
+    from duo_vllm.cli import spec_decode_metrics
+
+    llm = LLM(model=req["target"], max_model_len=2048, seed=0, dtype=req["dtype"],
+              speculative_config=req["spec"], disable_log_stats=False,
+              enforce_eager=req["eager"])
+    is_duo = bool(req["spec"]) and req["spec"].get("model") == "duo_vllm.DuoProposer"
+    prompts, tasks = req["prompts"], req["tasks"]
+
+    def params(temperature, seed):
+        return SamplingParams(temperature=temperature, max_tokens=req["max_tokens"], seed=seed)
+
+    llm.generate(prompts[:1], params(0.0, 0), use_tqdm=False)  # warm-up, not counted
+    shapes = []
+    work = sum((len(prompts) if s["batch"] == 1 else 1) * req["repeats"] for s in req["shapes"])
+    bar = tqdm(total=work, desc=req["name"], unit="gen", file=sys.stderr, mininterval=5)
+    for shape in req["shapes"]:
+        batch, temp = shape["batch"], shape["temperature"]
+        spec_before, duo_before = spec_decode_metrics(llm), _duo_stats(llm) if is_duo else None
+        rows = []
+        for rep in range(req["repeats"]):
+            if batch == 1:
+                for j, prompt in enumerate(prompts):
+                    t0 = time.perf_counter()
+                    out = llm.generate([prompt], params(temp, 1000 * rep + j), use_tqdm=False)[0]
+                    dt = time.perf_counter() - t0
+                    m = getattr(out, "metrics", None)
+                    rows.append({"prompt": j, "task": tasks[j], "repeat": rep,
+                                 "tokens": len(out.outputs[0].token_ids), "seconds": dt,
+                                 "ttft_s": getattr(m, "first_token_latency", None),
+                                 "token_ids": [list(out.outputs[0].token_ids)],
+                                 "prompt_ids": [list(out.prompt_token_ids)] if rep == 0 else None})
+                    bar.update()
+            else:
+                idx = [i % len(prompts) for i in range(batch)]
+                t0 = time.perf_counter()
+                outs = llm.generate([prompts[i] for i in idx],
+                                    [params(temp, 1000 * rep + i) for i in range(batch)],
+                                    use_tqdm=False)
+                dt = time.perf_counter() - t0
+                rows.append({"repeat": rep, "tokens": sum(len(o.outputs[0].token_ids)
+                                                          for o in outs), "seconds": dt,
+                             "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+                             "prompt_ids": [list(o.prompt_token_ids) for o in outs]
+                             if rep == 0 else None})
+                bar.update()
+        after = spec_decode_metrics(llm)
+        spec = {k: after[k] - spec_before[k] for k in ("drafts", "proposed", "accepted")}
+        shapes.append({**shape, "rows": rows, "spec": spec,
+                       "duo": _stats_delta(duo_before, _duo_stats(llm)) if is_duo else None})
+    bar.close()
+    Path(out_path).write_text(json.dumps({"shapes": shapes}))
+
+
+# --- the driver -------------------------------------------------------------------------------
+
+def method_spec(name: str, target: str) -> dict | None:
+    m = METHODS[name]
+    if "duo" in m:
+        from duo_vllm.cli import speculative_config
+
+        return speculative_config(K, dict(m["duo"], draft_cores=[1]))
+    if m["spec"] == "draft_model":
+        return {"method": "draft_model", "model": target, "num_speculative_tokens": K}
+    return m["spec"]
+
+
+def _failure_reason(log: str) -> str:
+    """The most telling line of a failed engine's log."""
+    lines = [x.strip() for x in log.splitlines() if x.strip()]
+    for key in ("Error:", "error:", "Exception:", "not supported", "NotImplemented"):
+        hits = [x for x in lines if key in x]
+        if hits:
+            return hits[-1][-400:]
+    return (lines[-1] if lines else "no output")[-400:]
+
+
+def run_method(name: str, target: str, prompts, tasks, args, workdir: Path,
+               oracle_file: Path | None) -> dict:
+    req = {"name": name, "target": target, "prompts": prompts, "tasks": tasks,
+           "spec": method_spec(name, target), "max_tokens": args.max_tokens,
+           "dtype": args.dtype, "repeats": args.repeats, "shapes": shapes_of(args),
+           "eager": args.eager}
+    req_path, out_path = workdir / f"{name}.req.json", workdir / f"{name}.out.json"
+    req_path.write_text(json.dumps(req))
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=METHODS[name]["bind"],
+               VLLM_CPU_KVCACHE_SPACE="2")
+    if oracle_file is not None:
+        env["DUO_ORACLE_FILE"] = str(oracle_file)
+    log_path = workdir / f"{name}.log"
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--worker",
+                               str(req_path), str(out_path)], env=env, stdout=log,
+                              stderr=subprocess.STDOUT, timeout=args.method_timeout)
+    if proc.returncode != 0:
+        return {"available": False, "reason": _failure_reason(log_path.read_text()),
+                "spec": req["spec"], "log": str(log_path)}
+    out = json.loads(out_path.read_text())
+    return {"available": True, "spec": req["spec"], "bind": METHODS[name]["bind"],
+            "wall_s": time.time() - t0, **out}
+
+
+def shapes_of(args) -> list[dict]:
+    shapes = [{"batch": 1, "temperature": t} for t in args.temperatures]
+    shapes += [{"batch": b, "temperature": 0.0} for b in args.batch_sizes if b > 1]
+    return shapes
+
+
+def shape_key(shape: dict) -> str:
+    return f"batch{shape['batch']}-t{shape['temperature']:g}"
+
+
+def summarise(results: dict) -> dict:
+    """Per method and shape: tokens/s (median, spread), speedups, TTFT, acceptance, equality."""
+    summary: dict = {}
+    ref = results.get("plain-1core", {})
+    ref_shapes = {shape_key(s): s for s in ref.get("shapes", [])}
+    for name, r in results.items():
+        if not r.get("available"):
+            continue
+        for s in r["shapes"]:
+            key = shape_key(s)
+            rows = s["rows"]
+            tps = [x["tokens"] / x["seconds"] for x in rows]
+            entry = {"tok_s": statistics.median(tps), "min": min(tps), "max": max(tps),
+                     "n": len(tps)}
+            ttft = [x["ttft_s"] for x in rows if x.get("ttft_s")]
+            entry["ttft_ms"] = 1e3 * statistics.median(ttft) if ttft else None
+            sp = s["spec"]
+            entry["mean_accepted_len"] = 1 + sp["accepted"] / sp["drafts"] if sp["drafts"] else None
+            entry["acceptance_rate"] = sp["accepted"] / sp["proposed"] if sp["proposed"] else None
+            if s.get("duo"):
+                entry["predraft_hit_rate"] = s["duo"].get("predraft_hit_rate")
+                entry["branch_hit_rate"] = s["duo"].get("branch_hit_rate")
+            if s["temperature"] == 0.0 and key in ref_shapes:
+                mine = [x["token_ids"] for x in rows if x["repeat"] == 0]
+                theirs = [x["token_ids"] for x in ref_shapes[key]["rows"] if x["repeat"] == 0]
+                entry["greedy_equal"] = mine == theirs
+            if s["batch"] == 1:
+                entry["by_task"] = {}
+                for task in sorted({x["task"] for x in rows}):
+                    entry["by_task"][task] = statistics.median(
+                        x["tokens"] / x["seconds"] for x in rows if x["task"] == task)
+            summary.setdefault(key, {})[name] = entry
+    for key, methods in summary.items():
+        for name, e in methods.items():
+            for base in BASELINES:
+                if base in methods:
+                    e[f"vs_{base}"] = e["tok_s"] / methods[base]["tok_s"]
+                    if "by_task" in e:
+                        e.setdefault("by_task_vs", {})[base] = {
+                            t: v / methods[base]["by_task"][t] for t, v in e["by_task"].items()}
+    return summary
+
+
+def _f(x, fmt="{:.2f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def markdown(summary: dict, results: dict, meta: dict) -> str:
+    m = meta["machine"]
+    lines = [f"Machine: {m['cpu_model']}, {m['cores']} cores, {m.get('gpu') or 'no GPU'}. "
+             f"{meta['pair_note']}. {meta['prompts']} Spec-Bench prompts "
+             f"({meta['per_task']} per task), {meta['max_tokens']} new tokens, "
+             f"{meta['repeats']} repeat(s)"
+             + (", eager engines (no torch.compile)" if meta["eager"] else "")
+             + "; tok/s are medians (spread min-max), speedups are ratios of medians from "
+             "this run.", ""]
+    for key, methods in summary.items():
+        lines += [f"**{key}**", "",
+                  "| method | tok/s | spread | vs plain-1core | vs plain-all | vs ngram | "
+                  "TTFT ms | mean acc. len | accept rate | pre-draft hit | branch hit | "
+                  "greedy = plain |", "|" + "---|" * 12]
+        for name, e in methods.items():
+            eq = e.get("greedy_equal")
+            lines.append(
+                f"| {name} | {e['tok_s']:.1f} | {e['min']:.1f}-{e['max']:.1f} | "
+                f"{_f(e.get('vs_plain-1core'), '{:.2f}x')} | {_f(e.get('vs_plain-all'), '{:.2f}x')}"
+                f" | {_f(e.get('vs_ngram'), '{:.2f}x')} | {_f(e.get('ttft_ms'), '{:.0f}')} | "
+                f"{_f(e.get('mean_accepted_len'))} | {_f(e.get('acceptance_rate'))} | "
+                f"{_f(e.get('predraft_hit_rate'))} | {_f(e.get('branch_hit_rate'))} | "
+                f"{'-' if eq is None else ('yes' if eq else '**NO**')} |")
+        lines.append("")
+    b1 = summary.get("batch1-t0", {})
+    if b1:
+        tasks = sorted(next(iter(b1.values()))["by_task"])
+        lines += ["**batch1-t0, speedup vs plain-all by task**", "",
+                  "| method | " + " | ".join(tasks) + " |", "|" + "---|" * (len(tasks) + 1)]
+        for name, e in b1.items():
+            vs = e.get("by_task_vs", {}).get("plain-all", {})
+            lines.append(f"| {name} | " + " | ".join(_f(vs.get(t), "{:.2f}x") for t in tasks)
+                         + " |")
+        lines.append("")
+    missing = {n: r["reason"] for n, r in results.items() if not r.get("available")}
+    for name, reason in missing.items():
+        lines.append(f"- {name}: not available on this machine: `{reason}`")
+    return "\n".join(lines) + "\n"
+
+
+def plots(summary: dict, out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    b1 = summary.get("batch1-t0", {})
+    if b1 and "plain-all" in b1:
+        names = [n for n in b1 if n != "plain-all"]
+        tasks = sorted(b1["plain-all"]["by_task"])
+        fig, ax = plt.subplots(figsize=(10, 4.5))
+        width = 0.8 / max(len(names), 1)
+        for i, n in enumerate(names):
+            vs = b1[n].get("by_task_vs", {}).get("plain-all", {})
+            ax.bar([t + i * width for t in range(len(tasks))], [vs.get(t, 0) for t in tasks],
+                   width, label=n)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks([t + 0.4 - width / 2 for t in range(len(tasks))], tasks)
+        ax.set_ylabel("speedup vs plain vLLM (all cores)")
+        ax.set_title("Batch 1, greedy: speedup by Spec-Bench task")
+        ax.legend(fontsize=8, ncol=3)
+        fig.tight_layout()
+        path = out_dir / "speedup_by_task.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(str(path))
+    greedy = {int(k.split("-")[0][5:]): v for k, v in summary.items() if k.endswith("-t0")}
+    if len(greedy) > 1:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        methods = sorted({n for v in greedy.values() for n in v})
+        for n in methods:
+            pts = sorted((b, v[n]["tok_s"]) for b, v in greedy.items() if n in v)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=n)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(greedy), [str(b) for b in sorted(greedy)])
+        ax.set_xlabel("batch size (requests at once)")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title("Greedy throughput against batch size")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / "tokens_per_s_by_batch.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(str(path))
+    return made
+
+
+def machine_info() -> dict:
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(x.split(":", 1)[1].strip() for x in f if x.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    versions = {}
+    for mod in ("vllm", "torch", "ray", "llama_cpp", "transformers", "duo_vllm"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except Exception as e:  # recorded, not fatal
+            versions[mod] = f"unavailable ({type(e).__name__})"
+    gpu = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name(0)
+    except Exception:  # no torch, or no driver: no GPU
+        pass
+    return {"cpu_model": cpu, "cores": os.cpu_count(), "gpu": gpu,
+            "platform": platform.platform(),
+            "python": platform.python_version(), "versions": versions}
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_prompts(args) -> list[tuple[str, str]]:
+    from duo_vllm.prompts import load_specbench, read_jsonl
+
+    if not args.jsonl:
+        return load_specbench(per_task=args.per_task)
+    return [(Path(path).stem, text) for path in args.jsonl
+            for text in read_jsonl(path)[: args.per_task]]
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        worker(argv[1], argv[2])
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke test: 1 prompt per task, 32 tokens, batch 1 and 4, 1 repeat, "
+                    "eager engines (no torch.compile: faster start-up, slower steps)")
+    ap.add_argument("--eager", action="store_true", help="vLLM's enforce_eager")
+    ap.add_argument("--per-task", type=int, default=2)
+    ap.add_argument("--jsonl", nargs="*", help="prompt files (a `turns` or `prompt` field) "
+                    "instead of Spec-Bench")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7],
+                    help="batch-1 temperatures (larger batches run greedy)")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--method-timeout", type=int, default=1800)
+    ap.add_argument("--out", default="benchmarks/results/run")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.per_task, args.max_tokens, args.repeats = 1, 32, 1
+        args.batch_sizes, args.temperatures, args.eager = [1, 4], [0.0, 0.7], True
+
+    from transformers import AutoTokenizer
+    from tqdm import tqdm
+
+    from duo_vllm.models import default_draft_gguf, prepare_default_target
+    from duo_vllm.prompts import chat_prompts
+
+    target = prepare_default_target()
+    pairs = load_prompts(args)
+    prompts = chat_prompts(AutoTokenizer.from_pretrained(target), [p for _, p in pairs])
+    tasks = [t for t, _ in pairs]
+    out_dir = Path(args.out)
+    work = out_dir / "engines"
+    work.mkdir(parents=True, exist_ok=True)
+    methods = list(args.methods)
+    if "oracle" in methods and "plain-1core" not in methods:
+        methods.insert(0, "plain-1core")  # the oracle replays its output
+    results, oracle_file = {}, None
+    for name in tqdm(methods, desc="methods", file=sys.stderr):
+        results[name] = run_method(name, target, prompts, tasks, args, work,
+                                   oracle_file if name == "oracle" else None)
+        r = results[name]
+        tqdm.write(f"[bench] {name}: " + (f"done in {r['wall_s']:.0f}s" if r["available"]
+                                          else f"unavailable: {r['reason']}"), file=sys.stderr)
+        if name == "plain-1core" and r["available"]:
+            oracle_file = write_oracle(r, work)
+        for shape in r.get("shapes", []):  # kept in engines/<method>.out.json only
+            for row in shape["rows"]:
+                row.pop("prompt_ids", None)
+    meta = {"machine": {**machine_info(), "binding": {n: METHODS[n]["bind"] for n in methods},
+                        "draft_cores": [1]},
+            "pair_note": PAIR_NOTE, "target": target, "draft": default_draft_gguf(),
+            "draft_sha256": sha256(default_draft_gguf()), "prompts": len(prompts),
+            "per_task": args.per_task, "max_tokens": args.max_tokens, "repeats": args.repeats,
+            "shapes": shapes_of(args), "k": K, "dtype": args.dtype, "eager": args.eager}
+    summary = summarise(results)
+    table = markdown(summary, results, meta)
+    made = plots(summary, out_dir)
+    (out_dir / "results.json").write_text(json.dumps(
+        {"meta": meta, "summary": summary, "results": results}, indent=1))
+    (out_dir / "results.md").write_text(table)
+    print(table)
+    print("wrote", out_dir / "results.json", out_dir / "results.md", *made)
+    bad = [n for k, v in summary.items() for n, e in v.items() if e.get("greedy_equal") is False]
+    if bad:
+        print(f"GREEDY OUTPUT DIFFERS FROM PLAIN vLLM: {sorted(set(bad))}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def write_oracle(plain: dict, work: Path) -> Path:
+    """Prompt token ids + plain vLLM's greedy continuation, for every greedy generation."""
+    seqs = []
+    for s in plain["shapes"]:
+        if s["temperature"] != 0.0:
+            continue
+        for row in s["rows"]:
+            if row.get("prompt_ids"):
+                seqs += [p + o for p, o in zip(row["prompt_ids"], row["token_ids"])]
+    path = work / "oracle.json"
+    path.write_text(json.dumps(seqs))
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())

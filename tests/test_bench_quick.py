@@ -1,0 +1,51 @@
+"""`python -m benchmarks.run --quick`: the benchmark suite's smoke test.
+
+The baselines, DuoProposer full and the oracle, each in a fresh (eager)
+engine on 5 Spec-Bench prompts at 32 tokens, plus vLLM's suffix method, which
+must be measured or recorded as unavailable with a reason. Checks the outputs
+exist and that the suite's own honesty checks hold. No timing is asserted.
+The other DuoProposer modes have end-to-end tests of their own.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.e2e
+METHODS_RUN = ["plain-1core", "plain-all", "ngram", "suffix", "duo-full", "oracle"]
+
+
+def test_quick_benchmark(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out),
+                           "--methods", *METHODS_RUN], cwd=REPO, capture_output=True, text=True,
+                          timeout=2400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    data = json.loads((out / "results.json").read_text())
+    results, summary = data["results"], data["summary"]
+    assert set(results) == set(METHODS_RUN)
+    for name in set(METHODS_RUN) - {"suffix"}:
+        assert results[name]["available"], results[name].get("reason")
+    for name, r in results.items():  # the optional ones: measured, or the reason recorded
+        assert r["available"] or r["reason"].strip()
+    assert set(summary) == {"batch1-t0", "batch1-t0.7", "batch4-t0"}
+    for key in ("batch1-t0", "batch4-t0"):
+        for name, e in summary[key].items():
+            assert e["greedy_equal"] is True, (key, name)
+    b1 = summary["batch1-t0"]
+    assert b1["oracle"]["acceptance_rate"] == 1.0  # it replays plain vLLM's own output
+    assert b1["duo-full"]["predraft_hit_rate"] is not None
+    assert b1["duo-full"]["mean_accepted_len"] > 1.0
+    assert all(e["ttft_ms"] and e["ttft_ms"] > 0 for e in b1.values())
+    assert set(b1["duo-full"]["by_task"]) == {"math_reasoning", "qa", "rag", "summarization",
+                                              "translation"}
+    meta = data["meta"]
+    assert meta["machine"]["cores"] and len(meta["draft_sha256"]) == 64
+    md = (out / "results.md").read_text()
+    assert "one model at two precisions" in md and "| duo-full |" in md
+    for png in ("speedup_by_task.png", "tokens_per_s_by_batch.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
