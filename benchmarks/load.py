@@ -27,6 +27,8 @@ from pathlib import Path
 
 import requests
 
+from .server import read_chat
+
 STOPS = [None, ["."], ["\n"], None]
 
 
@@ -83,27 +85,8 @@ def send(url: str, model: str, req: LoadRequest) -> LoadResult:
         r = requests.post(url + "/v1/chat/completions", json=body, stream=req.stream,
                           timeout=600)
         r.raise_for_status()
-        if not req.stream:
-            choices = sorted(r.json()["choices"], key=lambda c: c["index"])
-            res.texts = [c["message"]["content"] for c in choices]
-            res.finish = [c["finish_reason"] for c in choices]
-        else:
-            texts, finish, chunks = {}, {}, 0
-            for line in r.iter_lines(decode_unicode=True):
-                if not line or not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunks += 1
-                if req.abort_after is not None and chunks >= req.abort_after:
-                    r.close()  # the client goes away: vLLM must abort the request
-                    res.aborted = True
-                    break
-                for c in json.loads(line[len("data: "):])["choices"]:
-                    texts[c["index"]] = texts.get(c["index"], "") + (c["delta"].get("content")
-                                                                    or "")
-                    if c.get("finish_reason"):
-                        finish[c["index"]] = c["finish_reason"]
-            res.texts = [texts[i] for i in sorted(texts)]
-            res.finish = [finish.get(i) for i in sorted(texts)]
+        got = read_chat(r, req.stream, req.abort_after)
+        res.texts, res.finish, res.aborted = got["texts"], got["finish"], got["aborted"]
     except Exception as e:  # recorded, and reported as a failure by compare()
         res.error = f"{type(e).__name__}: {e}"
     res.latency_s = time.perf_counter() - t0
@@ -113,17 +96,16 @@ def send(url: str, model: str, req: LoadRequest) -> LoadResult:
 def run_load(url: str, model: str, reqs: list[LoadRequest], concurrency: int = 32
              ) -> list[LoadResult]:
     """Send all requests at once (up to ``concurrency`` in flight); results in request order."""
-    start = threading.Barrier(min(concurrency, len(reqs)))
+    start = threading.Event()
 
     def one(req):
-        try:
-            start.wait(timeout=30)
-        except threading.BrokenBarrierError:
-            pass
+        start.wait()
         return send(url, model, req)
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        return list(pool.map(one, reqs))
+        futures = [pool.submit(one, r) for r in reqs]
+        start.set()  # the first ``concurrency`` requests leave together
+        return [f.result() for f in futures]
 
 
 def compare(reqs: list[LoadRequest], reference: list[LoadResult], other: list[LoadResult]

@@ -66,13 +66,6 @@ PAIR_NOTE = ("The default pair is one model at two precisions: SmolLM2-135M-Inst
 
 # --- the engine side (one process per method) ----------------------------------------------
 
-def _duo_stats(llm) -> dict | None:
-    try:
-        return llm.llm_engine.collective_rpc(lambda self: self.model_runner.drafter.stats())[0]
-    except Exception as e:  # informative only
-        return {"error": repr(e)}
-
-
 def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
     if not before or not after or "error" in before or "error" in after:
         return after
@@ -96,7 +89,7 @@ def worker(req_path: str, out_path: str) -> None:
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
 
-    from duo_vllm.cli import spec_decode_metrics
+    from duo_vllm.cli import draft_stats, spec_decode_metrics
 
     llm = LLM(model=req["target"], max_model_len=2048, seed=0, dtype=req["dtype"],
               speculative_config=req["spec"], disable_log_stats=False,
@@ -113,7 +106,7 @@ def worker(req_path: str, out_path: str) -> None:
     bar = tqdm(total=work, desc=req["name"], unit="gen", file=sys.stderr, mininterval=5)
     for shape in req["shapes"]:
         batch, temp = shape["batch"], shape["temperature"]
-        spec_before, duo_before = spec_decode_metrics(llm), _duo_stats(llm) if is_duo else None
+        spec_before, duo_before = spec_decode_metrics(llm), draft_stats(llm) if is_duo else None
         rows = []
         for rep in range(req["repeats"]):
             if batch == 1:
@@ -144,7 +137,7 @@ def worker(req_path: str, out_path: str) -> None:
         after = spec_decode_metrics(llm)
         spec = {k: after[k] - spec_before[k] for k in ("drafts", "proposed", "accepted")}
         shapes.append({**shape, "rows": rows, "spec": spec,
-                       "duo": _stats_delta(duo_before, _duo_stats(llm)) if is_duo else None})
+                       "duo": _stats_delta(duo_before, draft_stats(llm)) if is_duo else None})
     bar.close()
     Path(out_path).write_text(json.dumps({"shapes": shapes}))
 

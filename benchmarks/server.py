@@ -25,6 +25,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def read_chat(response, stream: bool, abort_after: int | None = None) -> dict:
+    """A chat completion's choices: ``{"texts", "finish", "aborted"}`` (one per choice).
+
+    With ``abort_after``, a stream is closed after that many chunks, as a client
+    that goes away would (vLLM must then abort the request).
+    """
+    if not stream:
+        choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+        return {"texts": [c["message"]["content"] for c in choices],
+                "finish": [c["finish_reason"] for c in choices], "aborted": False}
+    texts, finish, chunks = {}, {}, 0
+    for line in response.iter_lines(decode_unicode=True):
+        if not line or not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunks += 1
+        if abort_after is not None and chunks >= abort_after:
+            response.close()
+            return {"texts": [texts[i] for i in sorted(texts)],
+                    "finish": [finish.get(i) for i in sorted(texts)], "aborted": True}
+        for c in json.loads(line[len("data: "):])["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + (c["delta"].get("content") or "")
+            if c.get("finish_reason"):
+                finish[c["index"]] = c["finish_reason"]
+    idx = sorted(texts)
+    return {"texts": [texts[i] for i in idx], "finish": [finish.get(i) for i in idx],
+            "aborted": False}
+
+
 class Server:
     def __init__(self, target: str, log_path, spec: dict | None = None,
                  max_model_len: int = 2048, env: dict | None = None):
@@ -60,32 +88,19 @@ class Server:
             return False
 
     def chat(self, messages, stream: bool = False, **params) -> dict:
-        """One chat completion: ``{"texts": [...], "finish": [...]}`` (one per choice)."""
+        """One chat completion, as :func:`read_chat` returns it."""
         body = {"model": self.model, "messages": messages, "temperature": 0.0,
                 "stream": stream, **params}
         r = requests.post(self.url + "/v1/chat/completions", json=body, stream=stream,
                           timeout=600)
         r.raise_for_status()
-        if not stream:
-            choices = sorted(r.json()["choices"], key=lambda c: c["index"])
-            return {"texts": [c["message"]["content"] for c in choices],
-                    "finish": [c["finish_reason"] for c in choices]}
-        texts, finish = {}, {}
-        for line in r.iter_lines(decode_unicode=True):
-            if not line or not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for c in json.loads(line[len("data: "):])["choices"]:
-                texts[c["index"]] = texts.get(c["index"], "") + (c["delta"].get("content") or "")
-                if c.get("finish_reason"):
-                    finish[c["index"]] = c["finish_reason"]
-        idx = sorted(texts)
-        return {"texts": [texts[i] for i in idx], "finish": [finish.get(i) for i in idx]}
+        return read_chat(r, stream)
 
     def metrics(self) -> str:
         return requests.get(self.url + "/metrics", timeout=10).text
 
     def counter(self, name: str) -> float:
-        """Sum of a Prometheus counter over its labels."""
+        """Sum of a Prometheus counter (or gauge) over its labels."""
         total = 0.0
         for line in self.metrics().splitlines():
             if line.startswith(name + "{") or line.startswith(name + " "):

