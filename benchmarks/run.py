@@ -31,7 +31,6 @@ Methods (2-core machine: DuoProposer's target on core 0, its draft on core 1):
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -365,14 +364,6 @@ def machine_info() -> dict:
             "python": platform.python_version(), "versions": versions}
 
 
-def sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def load_prompts(args) -> list[tuple[str, str]]:
     from duo_vllm.prompts import load_specbench, read_jsonl
 
@@ -416,7 +407,7 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
     from tqdm import tqdm
 
-    from duo_vllm.models import default_draft_gguf, prepare_default_target
+    from duo_vllm.models import default_draft_gguf, file_sha256, prepare_default_target
     from duo_vllm.prompts import chat_prompts
 
     if args.pair == "qwen":
@@ -452,7 +443,7 @@ def main(argv=None) -> int:
     meta = {"machine": {**machine_info(), "binding": {n: METHODS[n]["bind"] for n in methods},
                         "draft_cores": [1]},
             "pair": args.pair, "pair_note": pair_note, "target": target, "draft": draft,
-            "draft_sha256": sha256(draft), **provenance, "prompts": len(prompts),
+            "draft_sha256": file_sha256(draft), **provenance, "prompts": len(prompts),
             "per_task": args.per_task, "max_tokens": args.max_tokens, "repeats": args.repeats,
             "shapes": shapes_of(args), "k": K, "dtype": args.dtype, "eager": args.eager}
     summary = summarise(results)

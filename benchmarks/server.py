@@ -35,22 +35,22 @@ def read_chat(response, stream: bool, abort_after: int | None = None) -> dict:
         choices = sorted(response.json()["choices"], key=lambda c: c["index"])
         return {"texts": [c["message"]["content"] for c in choices],
                 "finish": [c["finish_reason"] for c in choices], "aborted": False}
-    texts, finish, chunks = {}, {}, 0
+    texts, finish, chunks, aborted = {}, {}, 0, False
     for line in response.iter_lines(decode_unicode=True):
         if not line or not line.startswith("data: ") or line == "data: [DONE]":
             continue
         chunks += 1
         if abort_after is not None and chunks >= abort_after:
             response.close()
-            return {"texts": [texts[i] for i in sorted(texts)],
-                    "finish": [finish.get(i) for i in sorted(texts)], "aborted": True}
+            aborted = True
+            break
         for c in json.loads(line[len("data: "):])["choices"]:
             texts[c["index"]] = texts.get(c["index"], "") + (c["delta"].get("content") or "")
             if c.get("finish_reason"):
                 finish[c["index"]] = c["finish_reason"]
     idx = sorted(texts)
     return {"texts": [texts[i] for i in idx], "finish": [finish.get(i) for i in idx],
-            "aborted": False}
+            "aborted": aborted}
 
 
 class Server:
