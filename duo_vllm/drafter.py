@@ -72,6 +72,7 @@ class DraftStats:
     reused_tokens: int = 0
     interrupted: int = 0
     skipped_busy: int = 0  # steps that went without a draft: the drafter was prefilling
+    prefetched_prompts: int = 0  # prompts evaluated while the target prefilled them
     errors: int = 0
     busy_s: float = 0.0
     started: float | None = None  # the first step
@@ -96,6 +97,7 @@ class DraftStats:
             "reused_tokens": self.reused_tokens,
             "interrupted": self.interrupted,
             "skipped_busy": self.skipped_busy,
+            "prefetched_prompts": self.prefetched_prompts,
             "errors": self.errors,
             "busy_fraction": self.busy_s / wall,
         }
@@ -213,6 +215,31 @@ class DuoDrafter:
         self._plan_jobs()
         st.busy_s += time.perf_counter() - t0
         return out
+
+    def prefetch(self, contexts: list[np.ndarray]) -> int:
+        """Prompts the target is about to prefill: queue their evaluation.
+
+        Called before vLLM's prefill step, so the draft evaluates the prompt
+        while the target does (DuoDecoding's parallel prefill) and has branches
+        for the first output token ready when that step's propose() comes.
+        Returns how many prompts were queued (none in serial mode).
+        """
+        policy = self.policy
+        if not policy.parallel or policy.budget == 0:
+            return 0
+        contexts = [np.asarray(c, dtype=np.int32) for c in contexts]
+        queued = 0
+        for ctx, a in zip(contexts, self.pool.assign(contexts)):
+            if a is None or len(ctx) == 0 or len(ctx) + 2 >= self.n_ctx:
+                continue
+            self._clear_tree(a.slot.seq_id)
+            self.last_draft.pop(a.slot.seq_id, None)
+            self.jobs = [j for j in self.jobs if j.slot_id != a.slot.seq_id]
+            self.jobs.append(_Job(a.slot.seq_id, ctx, 0))
+            queued += 1
+        self.stats.prefetched_prompts += queued
+        self._plan_jobs()
+        return queued
 
     def _prefill_in_background(self, new_tokens: int, rows: int = 1) -> bool:
         """Too many new tokens to evaluate while vLLM waits (a new prompt, say)?

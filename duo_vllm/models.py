@@ -62,6 +62,51 @@ def file_sha256(path: str, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+# draft_quant "auto": file types llama.cpp's CPU backend runs slowly, and what to
+# re-quantise them to (measured in benchmarks/profile_draft.py; README "Draft file type")
+AUTO_REQUANT = {"LLAMA_FTYPE_MOSTLY_Q4_1": "q8_0"}
+
+
+def draft_quant_target(file_type: str | None, quant: str) -> str | None:
+    """The type a draft of ``file_type`` is re-quantised to under ``draft_quant``; None: as is."""
+    if quant == "keep":
+        return None
+    if quant == "auto":
+        return AUTO_REQUANT.get(file_type or "")
+    return quant
+
+
+def prepare_draft(gguf: str, quant: str = "auto", root: Path | None = None,
+                  log=print) -> str:
+    """The GGUF the draft backend should load for ``gguf`` under ``draft_quant``.
+
+    A re-quantised copy is made once, in ``<cache>/drafts``, named by the
+    source's sha256 and the type; writes go through a temporary file, so
+    concurrent or interrupted runs never see half a model.
+    """
+    from .backends.llama_cpp import gguf_file_type, requantize
+
+    file_type = gguf_file_type(gguf)
+    want = draft_quant_target(file_type, quant)
+    if want is None:
+        return gguf
+    out_dir = (root or cache_dir()) / "drafts"
+    out = out_dir / f"{Path(gguf).stem}.{file_sha256(gguf)[:16]}.{want}.gguf"
+    if out.is_file():
+        return str(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log(f"[duo_vllm] re-quantising the draft {gguf} ({file_type}) to {want}: {out}")
+    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out_dir)
+    os.close(fd)
+    try:
+        requantize(gguf, tmp, want)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return str(out)
+
+
 def target_dir(root: Path | None = None) -> Path:
     return (root or cache_dir()) / "target"
 

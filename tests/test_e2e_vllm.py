@@ -45,6 +45,7 @@ def test_greedy_output_equals_plain_vllm(combo, session_tmp, target_dir, specben
         # so drafts may never arrive; what must hold is that vLLM never waited on it.
         assert stats["predraft_tokens"] > 0, stats  # the background prefill ran
         assert stats["propose_wait_ms"] < 100, stats  # a blocking prefill takes seconds
+        assert stats["prefetched_prompts"] > 0, stats  # heard of before their prefill
         return
     assert m["proposed"] > 0 and m["accepted"] > 0, m
     # the draft ran in the Ray actor, pinned to core 1, next to a target on core 0
@@ -54,5 +55,8 @@ def test_greedy_output_equals_plain_vllm(combo, session_tmp, target_dir, specben
     assert stats["reused_tokens"] > 5 * stats["prefill_tokens"], stats
     if duo_cfg.get("parallel", True):
         assert stats["predraft_hit_rate"] > 0.3, stats  # drafts served without waiting
+        # prompts reach the draft before vLLM prefills them (patches/README.md, 2)
+        assert stats["prefetched_prompts"] > 0, stats
     else:
         assert stats["predraft_hit_rate"] == 0 and stats["predraft_tokens"] == 0, stats
+        assert stats["prefetched_prompts"] == 0, stats

@@ -45,3 +45,53 @@ def test_vllm_cpu_expand_drops_its_output_and_the_fix_is_installed():
     got = rs.expand_batch_to_tokens(x, cu, 6, replace_from=-1, replace_to=1)
     assert got.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0, 1.0, 1.3])
     assert not fix_cpu_expand_kernel()  # idempotent
+
+
+def test_new_request_hook_tells_the_drafter_before_the_step_and_never_breaks_it(caplog):
+    from types import SimpleNamespace
+
+    from duo_vllm.vllm_patches import with_new_request_hook
+
+    calls = []
+
+    class Runner:
+        def __init__(self, drafter):
+            self.drafter = drafter
+
+        def _update_states(self, scheduler_output):
+            calls.append(("update", len(scheduler_output.scheduled_new_reqs)))
+            return "deferred"
+
+    Runner._update_states = with_new_request_hook(Runner._update_states)
+    assert with_new_request_hook(Runner._update_states) is Runner._update_states  # idempotent
+
+    class Drafter:
+        def on_new_requests(self, reqs):
+            calls.append(("hook", [r.prompt_token_ids for r in reqs]))
+
+    new = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(prompt_token_ids=[1, 2, 3])])
+    assert Runner(Drafter())._update_states(new) == "deferred"
+    assert calls == [("hook", [[1, 2, 3]]), ("update", 1)]  # the hook runs first
+
+    calls.clear()
+    Runner(Drafter())._update_states(SimpleNamespace(scheduled_new_reqs=[]))
+    Runner(object())._update_states(new)  # a drafter without the hook (ngram, say)
+    assert calls == [("update", 0), ("update", 1)]
+
+    class Broken:
+        def on_new_requests(self, reqs):
+            raise RuntimeError("boom")
+
+    calls.clear()
+    assert Runner(Broken())._update_states(new) == "deferred"
+    assert calls == [("update", 1)] and "new-request hook failed" in caplog.text
+
+
+def test_new_request_hook_installs_on_vllms_model_runner():
+    gmr = pytest.importorskip("vllm.v1.worker.gpu_model_runner")
+    from duo_vllm.vllm_patches import NEW_REQUEST_HOOK, install_new_request_hook
+
+    assert install_new_request_hook() and install_new_request_hook()
+    wrapped = gmr.GPUModelRunner._update_states
+    assert getattr(wrapped, NEW_REQUEST_HOOK) and not getattr(wrapped.__wrapped__,
+                                                              NEW_REQUEST_HOOK, False)

@@ -34,6 +34,53 @@ def _install_log_filter(llama_cpp) -> None:
     llama_cpp.llama_log_set(_callback, ctypes.c_void_p(0))
 
 
+# llama_ftype names (llama.h) of the types ``requantize`` may write
+QUANT_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+                "iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL", "f16": "LLAMA_FTYPE_MOSTLY_F16"}
+
+
+def gguf_file_type(model_path: str) -> str | None:
+    """The GGUF's ``general.file_type`` as a llama_ftype name (``"LLAMA_FTYPE_MOSTLY_Q4_1"``).
+
+    Reads the header only (llama.cpp's vocab-only load); ``None`` if the file
+    does not say.
+    """
+    import llama_cpp
+
+    _install_log_filter(llama_cpp)
+    llama_cpp.llama_backend_init()
+    mparams = llama_cpp.llama_model_default_params()
+    mparams.vocab_only = True
+    model = llama_cpp.llama_model_load_from_file(model_path.encode(), mparams)
+    if not model:
+        raise ValueError(f"llama.cpp could not read {model_path!r}: not a valid GGUF model")
+    try:
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_model_meta_val_str(model, b"general.file_type", buf, len(buf))
+        if n < 0:
+            return None
+        code = int(buf.value)
+    finally:
+        llama_cpp.llama_model_free(model)
+    names = [k for k in dir(llama_cpp) if k.startswith("LLAMA_FTYPE_")
+             and getattr(llama_cpp, k) == code]
+    return names[0] if names else f"LLAMA_FTYPE_{code}"
+
+
+def requantize(src: str, dst: str, quant: str, n_threads: int = 1) -> None:
+    """Write ``src`` re-quantised to ``quant`` (a key of ``QUANT_FTYPES``) at ``dst``."""
+    import llama_cpp
+
+    _install_log_filter(llama_cpp)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, QUANT_FTYPES[quant])
+    params.allow_requantize = True
+    params.nthread = n_threads
+    rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama.cpp could not re-quantise {src!r} to {quant} (code {rc})")
+
+
 class LlamaCppBackend:
     """A llama.cpp model and context for up to ``n_seq`` sequences, ``n_ctx`` cells in all."""
 
