@@ -126,7 +126,10 @@ class ActorClient:
         """
         if not self.healthy or self._pending is not None:
             return False
-        self.actor.prefetch.remote(contexts)
+        try:
+            self.actor.prefetch.remote(contexts)
+        except Exception:  # the actor is gone: the next propose() finds out and recovers
+            return False
         return True
 
     def _observe_answer(self, seconds: float) -> None:
