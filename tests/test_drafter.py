@@ -229,19 +229,32 @@ def test_long_new_context_is_prefilled_in_the_background_in_chunks():
     assert draft == be.chain(be.next_token(b), 3) and d.stats.predraft_hits == 1
 
 
+class SlowBackend(FakeBackend):
+    """A fake backend that takes ``token_s`` seconds per evaluated token."""
+
+    def __init__(self, token_s):
+        super().__init__()
+        self.token_s = token_s
+
+    def decode(self, items):
+        import time
+
+        time.sleep(self.token_s * sum(len(t) for _, t, _ in items))
+        return super().decode(items)
+
+
+def slow_worker(token_s, **cfg):
+    from duo_vllm.actor import DraftWorker
+
+    be = SlowBackend(token_s)
+    cfg = {"use_actor": False, "budget": 3, "multi_sequence": False, **cfg}
+    return be, DraftWorker(cfg, "fake.gguf", None, k=3, backend_factory=lambda _: be)
+
+
 def test_worker_never_makes_vllm_wait_for_a_prefill():
     import time
 
-    from duo_vllm.actor import DraftWorker
-
-    class Slow(FakeBackend):
-        def decode(self, items):
-            time.sleep(0.02 * sum(len(t) for _, t, _ in items))
-            return super().decode(items)
-
-    be = Slow()
-    cfg = {"use_actor": False, "budget": 3, "multi_sequence": False}
-    w = DraftWorker(cfg, "fake.gguf", None, k=3, backend_factory=lambda _: be)
+    be, w = slow_worker(0.02)
     freeze_timings(w.drafter, token_s=0.02, prefill_s=0.02)
     try:
         prompt = ctx(*[(3 * i) % 50 for i in range(100)])  # 100 tokens: 2 s of prefill
@@ -291,14 +304,7 @@ def test_worker_prefetch_returns_at_once_and_the_first_step_hits():
 
     from duo_vllm.actor import DraftWorker
 
-    class Slow(FakeBackend):
-        def decode(self, items):
-            time.sleep(0.002 * sum(len(t) for _, t, _ in items))
-            return super().decode(items)
-
-    be = Slow()
-    cfg = {"use_actor": False, "budget": 3, "multi_sequence": False}
-    w = DraftWorker(cfg, "fake.gguf", None, k=3, backend_factory=lambda _: be)
+    be, w = slow_worker(0.002)
     try:
         prompt = ctx(*[(3 * i) % 50 for i in range(200)])  # 0.4 s of prefill
         t0 = time.perf_counter()
