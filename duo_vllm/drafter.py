@@ -79,7 +79,7 @@ class DraftStats:
 
     def as_dict(self) -> dict:
         lookups = self.predraft_lookups
-        wall = max(time.monotonic() - (self.started or time.monotonic()), 1e-9)
+        wall = time.monotonic() - self.started if self.started is not None else 0.0
         return {
             "steps": self.steps,
             "requests": self.requests,
@@ -99,7 +99,7 @@ class DraftStats:
             "skipped_busy": self.skipped_busy,
             "prefetched_prompts": self.prefetched_prompts,
             "errors": self.errors,
-            "busy_fraction": self.busy_s / wall,
+            "busy_fraction": self.busy_s / wall if wall > 0 else 0.0,
         }
 
 
@@ -227,6 +227,8 @@ class DuoDrafter:
         policy = self.policy
         if not policy.parallel or policy.budget == 0:
             return 0
+        if self.stats.started is None:  # busy time counts from here, as from a step
+            self.stats.started = time.monotonic()
         contexts = [np.asarray(c, dtype=np.int32) for c in contexts]
         queued = 0
         for ctx, a in zip(contexts, self.pool.assign(contexts)):

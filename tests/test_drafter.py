@@ -287,6 +287,7 @@ def test_prefetched_prompt_is_prefilled_before_its_first_step_and_hits():
     assert draft == be.chain(b, 3)  # served at the first step, nothing evaluated
     assert be.evaluated == [] and d.stats.predraft_hits == 1
     assert d.stats.steps == 1 and d.stats.prefetched_prompts == 1
+    assert 0 < d.stats.as_dict()["busy_fraction"] <= 1  # the prefill counts, from its start
 
 
 def test_prefetch_is_off_in_serial_mode_and_gives_each_request_its_slot():
