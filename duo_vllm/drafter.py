@@ -41,6 +41,11 @@ class DraftPolicy:
     budget: int | None = None  # None: hardware-aware; N: always N tokens per request
     max_branches: int = 4
 
+    @property
+    def predrafts(self) -> bool:
+        """Does anything run in the background (pre-drafts, prefills)?"""
+        return self.parallel and self.budget != 0
+
 
 class Ema:
     """Exponential moving average; ``None`` until the first sample."""
@@ -209,7 +214,7 @@ class DuoDrafter:
             ctx, draft = contexts[row], out[row]
             self.last_draft[slot.seq_id] = (len(ctx), draft)
             st.returned_tokens += len(draft)
-            if policy.parallel and policy.budget != 0 and len(ctx) + len(draft) + 2 < self.n_ctx:
+            if policy.predrafts and len(ctx) + len(draft) + 2 < self.n_ctx:
                 self.jobs.append(_Job(slot.seq_id, np.concatenate(
                     [ctx, np.asarray(draft, dtype=np.int32)]), 0))
         self._plan_jobs()
@@ -224,8 +229,7 @@ class DuoDrafter:
         for the first output token ready when that step's propose() comes.
         Returns how many prompts were queued (none in serial mode).
         """
-        policy = self.policy
-        if not policy.parallel or policy.budget == 0:
+        if not self.policy.predrafts:
             return 0
         if self.stats.started is None:  # busy time counts from here, as from a step
             self.stats.started = time.monotonic()
@@ -249,7 +253,7 @@ class DuoDrafter:
         Then this step goes without a draft and the pre-draft evaluates them
         while vLLM decodes: a long prompt never stalls the target.
         """
-        if not self.policy.parallel or self.policy.budget == 0:
+        if not self.policy.predrafts:
             return False
         step = self.target_step_s or 0.05
         # what fits in one target step, shared by the requests of this step
