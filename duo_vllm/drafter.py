@@ -118,7 +118,8 @@ class _Job:
 class DuoDrafter:
     """Drafts for batches of contexts on a multi-sequence backend (see backends/)."""
 
-    PREFILL_CHUNK = 64  # tokens per decode call when catching up in the background
+    PREFILL_CHUNK = 64  # tokens per decode call when prefilling in the background
+    CATCH_UP = 16  # a pre-draft job further behind than this holds a new prompt
 
     def __init__(self, backend, max_sequences: int, n_ctx: int, policy: DraftPolicy):
         self.backend, self.n_ctx, self.policy = backend, n_ctx, policy
@@ -207,6 +208,8 @@ class DuoDrafter:
                 if serve and not self._prefill_in_background(len(ctx) - a.reuse,
                                                              len(contexts)):
                     misses.append((row, slot, k))
+                elif len(ctx) - a.reuse > self.CATCH_UP:
+                    slot.queued = ctx  # a prompt for the background: the slot's name till then
         if misses:
             self._draft_chains(contexts, misses, out)
         self.jobs = []
@@ -239,6 +242,7 @@ class DuoDrafter:
             if a is None or len(ctx) == 0 or len(ctx) + 2 >= self.n_ctx:
                 continue
             self._clear_tree(a.slot.seq_id)
+            a.slot.queued = ctx
             self.last_draft.pop(a.slot.seq_id, None)
             self.jobs = [j for j in self.jobs if j.slot_id != a.slot.seq_id]
             self.jobs.append(_Job(a.slot.seq_id, ctx, 0))
@@ -359,21 +363,21 @@ class DuoDrafter:
     def predraft(self, interrupt=lambda: False, deadline: float | None = None) -> None:
         """Run the queued pre-draft jobs.
 
-        Stops between decode calls on ``interrupt()`` (the next step is here),
-        or when another decode would end more than half a token past
-        ``deadline`` (``time.perf_counter()`` clock). The catch-up and the
-        top-1 candidate are always evaluated: without them no branch can hit.
+        Stops between decode calls on ``interrupt()`` (the next step is here).
+        Branches also stop growing when another decode would end more than
+        half a token past ``deadline`` (``time.perf_counter()`` clock); prompt
+        prefills go on past it. The catch-up and the top-1 candidate are
+        always evaluated: without them no branch can hit.
         """
         jobs, self.jobs = self.jobs, []
         if not jobs:
             return
         t0 = time.perf_counter()
-        stop = interrupt
-        if deadline is not None:
-            half = 0.5 * self.token_s.get(0.015)
+        half = 0.5 * self.token_s.get(0.015)
 
-            def stop():
-                return interrupt() or time.perf_counter() + half > deadline
+        def stop():
+            return interrupt() or (deadline is not None
+                                   and time.perf_counter() + half > deadline)
         try:
             self._predraft(jobs, interrupt, stop)
         except Exception:
@@ -381,32 +385,62 @@ class DuoDrafter:
         self.stats.busy_s += time.perf_counter() - t0
 
     def _predraft(self, jobs: list[_Job], interrupt, stop) -> None:
-        st, policy = self.stats, self.policy
-        slots = [self.pool.slots[j.slot_id] for j in jobs]
-        # 1. catch up: evaluate the tail of the returned draft (usually its last
-        #    token; a whole prompt for a new request, in interruptible chunks)
-        tops: list = [None] * len(jobs)
-        for job, slot in zip(jobs, slots):
-            self._sync_slot(slot, job.prefix)
-        while True:
-            items, owners = [], []
-            for i, (job, slot) in enumerate(zip(jobs, slots)):
-                start = len(slot.tokens)
-                if tops[i] is None and start < len(job.prefix):
-                    chunk = job.prefix[start:start + self.PREFILL_CHUNK]
-                    items.append((slot.seq_id, chunk, start))
-                    owners.append(i)
-            if not items:
-                break
-            logits, n = self._decode(items)
-            st.predraft_tokens += n
-            for i, (_, chunk, start), lg in zip(owners, items, logits):
-                slots[i].tokens = jobs[i].prefix[:start + len(chunk)]
-                if len(slots[i].tokens) == len(jobs[i].prefix):
-                    tops[i] = top_candidates(lg)
-            if any(t is None for t in tops) and interrupt():
-                st.interrupted += 1  # the prefill goes on next time, from where it stopped
+        """Grow branch trees for the jobs that are caught up; prefill the others.
+
+        A job with more than ``CATCH_UP`` tokens to evaluate holds a new prompt.
+        Those are prefilled in shared chunks of ``PREFILL_CHUNK`` tokens, the
+        shortest first, and each joins the tree growing once it is caught up.
+        So a request already decoding never waits behind another's prompt, and
+        no decode call outlasts one chunk.
+        """
+        slots = {job.slot_id: self.pool.slots[job.slot_id] for job in jobs}
+        for job in jobs:
+            self._sync_slot(slots[job.slot_id], job.prefix)
+        while jobs:
+            behind = [len(job.prefix) - len(slots[job.slot_id].tokens) for job in jobs]
+            ready = [job for job, n in zip(jobs, behind) if n <= self.CATCH_UP]
+            jobs = [job for job, n in zip(jobs, behind) if n > self.CATCH_UP]
+            if ready:
+                self._grow_trees(ready, [slots[job.slot_id] for job in ready], interrupt, stop)
+            if not jobs:
                 return
+            if interrupt():
+                self.stats.interrupted += 1  # the prefill goes on next time, from where it is
+                return
+            self._prefill_chunk(jobs, slots)
+
+    def _prefill_chunk(self, jobs: list[_Job], slots: dict) -> None:
+        """One decode call of up to ``PREFILL_CHUNK`` prompt tokens, shortest prompt first.
+
+        Each prompt's last token is left for the tree growing (its logits are
+        the first branch point).
+        """
+        items, owners, room = [], [], self.PREFILL_CHUNK
+        for job in sorted(jobs, key=lambda j: len(j.prefix) - len(slots[j.slot_id].tokens)):
+            slot = slots[job.slot_id]
+            start = len(slot.tokens)
+            n = min(len(job.prefix) - start - 1, room)
+            items.append((slot.seq_id, job.prefix[start:start + n], start))
+            owners.append((job, slot, start + n))
+            room -= n
+            if room <= 0:
+                break
+        _, n = self._decode(items)
+        self.stats.predraft_tokens += n
+        for job, slot, end in owners:
+            slot.tokens = job.prefix[:end]
+
+    def _grow_trees(self, jobs: list[_Job], slots: list, interrupt, stop) -> None:
+        st, policy = self.stats, self.policy
+        # 1. catch up: evaluate the tail of the returned draft (usually its last
+        #    token; at most CATCH_UP tokens a job, so one decode call)
+        items = [(slot.seq_id, job.prefix[len(slot.tokens):], len(slot.tokens))
+                 for job, slot in zip(jobs, slots)]
+        logits, n = self._decode(items)
+        st.predraft_tokens += n
+        tops = [top_candidates(lg) for lg in logits]
+        for job, slot in zip(jobs, slots):
+            slot.tokens = job.prefix
         trees = [Tree(job.prefix, [Branch([int(ids[0])], float(p[0]), slot.seq_id)])
                  for job, slot, (ids, p) in zip(jobs, slots, tops)]
         for slot, tree in zip(slots, trees):

@@ -32,6 +32,9 @@ class Slot:
     seq_id: int
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     last_used: int = 0
+    # a prompt queued for this slot and not evaluated yet (the drafter's prefetch):
+    # the request's first step must find this slot, not recycle another
+    queued: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -59,29 +62,47 @@ class SlotPool:
         self._clock = 0
 
     def assign(self, contexts: list[np.ndarray]) -> list[Assignment | None]:
-        """One slot per context (``None`` past the pool size), no slot twice."""
+        """One slot per context (``None`` past the pool size), no slot twice.
+
+        Contexts that match a slot are placed first, so a new context never
+        recycles the slot of a request further down the batch.
+        """
         self._clock += 1
         taken: set[int] = set()
-        out: list[Assignment | None] = []
-        for ctx in contexts:
-            best: Assignment | None = None
-            for slot in self.slots:
-                if slot.seq_id in taken:
-                    continue
-                reuse = common_prefix_len(slot.tokens, ctx)
-                if best is None or reuse > best.reuse or (
-                    reuse == best.reuse and slot.last_used > best.slot.last_used
-                ):
-                    best = Assignment(slot, reuse)
-            if best is None:
-                out.append(None)
+        out: list[Assignment | None] = [None] * len(contexts)
+        new = []
+        for i, ctx in enumerate(contexts):
+            best, match = self._best_match(ctx, taken)
+            if best is None or match < self.min_reuse:
+                new.append(i)
                 continue
-            if best.reuse < self.min_reuse:
-                # No useful prefix anywhere: recycle the least recently used slot.
-                free = [s for s in self.slots if s.seq_id not in taken]
-                lru = min(free, key=lambda s: s.last_used)
-                best = Assignment(lru, common_prefix_len(lru.tokens, ctx))
-            best.slot.last_used = self._clock
-            taken.add(best.slot.seq_id)
-            out.append(best)
+            out[i] = self._take(best, taken)
+        for i in new:
+            free = [s for s in self.slots if s.seq_id not in taken]
+            if not free:
+                break
+            # no useful prefix anywhere: recycle the least recently used slot
+            lru = min(free, key=lambda s: s.last_used)
+            lru.queued = None  # it was queued for another request
+            out[i] = self._take(Assignment(lru, common_prefix_len(lru.tokens, contexts[i])),
+                                taken)
         return out
+
+    def _best_match(self, ctx: np.ndarray, taken: set[int]) -> tuple[Assignment | None, int]:
+        """The free slot with the longest common prefix (held or queued), most recent first."""
+        best, best_match = None, -1
+        for slot in self.slots:
+            if slot.seq_id in taken:
+                continue
+            reuse = common_prefix_len(slot.tokens, ctx)
+            match = reuse if slot.queued is None else max(
+                reuse, common_prefix_len(slot.queued, ctx))
+            if match > best_match or (match == best_match
+                                      and slot.last_used > best.slot.last_used):
+                best, best_match = Assignment(slot, reuse), match
+        return best, best_match
+
+    def _take(self, a: Assignment, taken: set[int]) -> Assignment:
+        a.slot.last_used = self._clock
+        taken.add(a.slot.seq_id)
+        return a

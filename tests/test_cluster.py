@@ -116,8 +116,11 @@ def test_draft_actor_runs_on_the_node_with_the_resource(cluster, session_tmp, ta
     keep = {k: cluster["env"][k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", MARKER)}
     duo = {"ray_address": cluster["address"], "resources": {"duo_draft": 1},
            "draft_cores": [1]}
+    # one request at a time, the product's case: ten prompts at once would have the
+    # one draft core prefill ~3000 prompt tokens, which can outlast these 64-token
+    # answers (tests/test_e2e_vllm.py, the batched combo), and no draft would arrive
     out = run_vllm(session_tmp, "cluster", target=target_dir, prompts=specbench_chat,
-                   max_tokens=64, speculative_config=speculative_config(4, duo),
+                   max_tokens=64, sequential=True, speculative_config=speculative_config(4, duo),
                    env={**E2E_ENV, **keep})
     placed = re.findall(r"DuoProposer: draft .* \(Ray node ([0-9a-f]+)\)", out["log"])
     assert placed == draft_nodes, (placed, cluster["nodes"])

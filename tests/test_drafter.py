@@ -216,7 +216,8 @@ def test_long_new_context_is_prefilled_in_the_background_in_chunks():
     assert d.propose([prompt], [3]) == [[]]  # vLLM does not wait for a 150-token prefill
     assert be.evaluated == []
     calls = []
-    d.predraft(interrupt=lambda: calls.append(1) or len(calls) >= 2)  # stop after 2 chunks
+    # asked before each chunk: the third time, after two chunks, a step is waiting
+    d.predraft(interrupt=lambda: calls.append(1) or len(calls) >= 3)
     assert len(d.pool.slots[0].tokens) == 2 * d.PREFILL_CHUNK and 0 not in d.trees
     # the next step: still prefilling, so again no draft; the prefill resumes where it was
     b = be.next_token(int(prompt[-1]))
@@ -227,6 +228,39 @@ def test_long_new_context_is_prefilled_in_the_background_in_chunks():
     assert be.evaluated[0][2] == 2 * d.PREFILL_CHUNK  # resumed, not restarted
     (draft,) = d.propose([np.append(grown, np.int32(be.next_token(b)))], [3])
     assert draft == be.chain(be.next_token(b), 3) and d.stats.predraft_hits == 1
+
+
+def test_new_prompts_share_prefill_chunks_shortest_first_and_hold_back_no_tree():
+    # vLLM's offline batch: prompts of 300, 100 and 3 tokens arrive together
+    be, d = make(parallel(multi_sequence=False, budget=3), n_ctx=1000)
+    freeze_timings(d, token_s=0.015, prefill_s=0.006)
+    sizes = []
+    decode = be.decode
+    be.decode = lambda items: sizes.append(sum(len(t) for _, t, _ in items)) or decode(items)
+    prompts = [ctx(*[(7 * i) % 50 for i in range(300)]), ctx(*[(3 * i) % 50 for i in range(100)]),
+               ctx(5, 6, 7)]
+    assert d.prefetch(prompts) == 3
+    slot = {name: job.slot_id for name, job in zip("abs", d.jobs)}
+
+    def chunks():
+        return [(seq, len(t)) for seq, t, _ in be.evaluated if len(t) > d.CATCH_UP]
+
+    d.predraft(interrupt=lambda: bool(chunks()))  # a step comes after one prefill chunk
+    assert list(d.trees) == [slot["s"]]  # the short prompt's branches did not wait
+    assert chunks() == [(slot["b"], d.PREFILL_CHUNK)]  # the shorter long prompt first
+    # the step: the short request is served from its tree, the others wait for theirs
+    grown = [np.append(p, np.int32(be.next_token(int(p[-1])))) for p in prompts]
+    drafts = d.propose(grown, [3] * 3)
+    assert drafts[2] == be.chain(int(grown[2][-1]), 3) and drafts[:2] == [[], []]
+    d.predraft()
+    assert sorted(d.trees) == sorted(slot.values())
+    assert max(sizes) <= d.PREFILL_CHUNK  # no decode call outlasts one chunk
+    again = [np.append(g, np.int32(be.next_token(int(g[-1])))) for g in grown[:2]]
+    accepted = np.concatenate([grown[2], drafts[2]])  # all of the short one's draft, + bonus
+    again.append(np.append(accepted, np.int32(be.next_token(int(accepted[-1])))))
+    drafts = d.propose(again, [3] * 3)
+    assert drafts[:2] == [be.chain(int(g[-1]), 3) for g in again[:2]]
+    assert d.stats.predraft_hits == 4
 
 
 class SlowBackend(FakeBackend):

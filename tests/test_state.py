@@ -37,3 +37,22 @@ def test_pool_recycles_least_recently_used_and_is_bounded():
     assert x.slot.seq_id == 1 and x.reuse == 0
     assert len(pool.slots) == 2
     assert pool.assign([a(1), a(2), a(3)])[2] is None  # more contexts than slots
+
+
+def test_a_queued_prompt_finds_its_slot_before_any_of_it_is_evaluated():
+    pool = SlotPool(3)
+    x, y = pool.assign([a(1, 2, 3), a(4, 5, 6)])
+    x.slot.queued, y.slot.queued = a(1, 2, 3), a(4, 5, 6)  # prefetched, nothing evaluated
+    got = pool.assign([a(9, 9), a(4, 5, 6, 7), a(1, 2, 3, 8)])  # the first step, + a stranger
+    assert got[1].slot is y.slot and got[2].slot is x.slot
+    assert got[1].reuse == got[2].reuse == 0  # what the slot holds, not what it waits for
+    assert got[0].slot.seq_id == 2 and got[0].slot.queued is None
+
+
+def test_a_new_context_never_takes_the_slot_of_a_later_row():
+    pool = SlotPool(2)
+    pool.slots[0].tokens, pool.slots[1].tokens = a(1, 1), a(2, 2)
+    pool.slots[1].last_used = -1  # slot 1 is the least recently used
+    got = pool.assign([a(3, 3), a(2, 2, 5)])  # the stranger comes first in the batch
+    assert got[1].slot.seq_id == 1 and got[1].reuse == 2  # the known request keeps its slot
+    assert got[0].slot.seq_id == 0 and got[0].reuse == 0
