@@ -76,6 +76,27 @@ def profile(model: str, cores: list[int], repeats: int, context: int = 256) -> d
     return out
 
 
+def greedy_picks(path: str, prompts, new_tokens: int, feed=None) -> list[list[int]]:
+    """The draft's greedy next token at each of ``new_tokens`` positions after each prompt.
+
+    Free-running, or teacher-forced with ``feed`` (per prompt, the tokens to
+    append instead of its own picks: another file's greedy chain).
+    """
+    n_ctx = max(len(p) for p in prompts) + new_tokens + 1
+    be = LlamaCppBackend(path, n_ctx=n_ctx, n_seq=1, n_threads=1)
+    out = []
+    for i, prompt in enumerate(prompts):
+        logits, mine = be.decode([(0, np.array(prompt, dtype=np.int32), 0)])[0], []
+        for j in range(new_tokens):
+            mine.append(int(np.argmax(logits)))
+            nxt = feed[i][j] if feed else mine[-1]
+            logits = be.decode([(0, np.array([nxt], dtype=np.int32), len(prompt) + j)])[0]
+        be.remove(0, 0, -1)
+        out.append(mine)
+    be.close()
+    return out
+
+
 def agreement(source: str, other: str, per_task: int = 2, new_tokens: int = 96) -> float:
     """Fraction of positions where ``other`` picks ``source``'s greedy next token.
 
@@ -90,23 +111,8 @@ def agreement(source: str, other: str, per_task: int = 2, new_tokens: int = 96) 
     tok = AutoTokenizer.from_pretrained(prepare_default_target())
     texts = chat_prompts(tok, [p for _, p in load_specbench(per_task=per_task)])
     prompts = [tok(t, add_special_tokens=False)["input_ids"][-300:] for t in texts]
-
-    def picks(path, feed=None):
-        be = LlamaCppBackend(path, n_ctx=1024, n_seq=1, n_threads=1)
-        out = []
-        for i, prompt in enumerate(prompts):
-            logits, mine = be.decode([(0, np.array(prompt, dtype=np.int32), 0)])[0], []
-            for j in range(new_tokens):
-                mine.append(int(np.argmax(logits)))
-                nxt = feed[i][j] if feed else mine[-1]
-                logits = be.decode([(0, np.array([nxt], dtype=np.int32), len(prompt) + j)])[0]
-            be.remove(0, 0, -1)
-            out.append(mine)
-        be.close()
-        return out
-
-    ref = picks(source)
-    got = picks(other, feed=ref)
+    ref = greedy_picks(source, prompts, new_tokens)
+    got = greedy_picks(other, prompts, new_tokens, feed=ref)
     return float(np.mean([a == b for r, g in zip(ref, got) for a, b in zip(r, g)]))
 
 

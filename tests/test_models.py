@@ -5,7 +5,8 @@ import os
 import numpy as np
 import pytest
 
-from duo_vllm.backends.llama_cpp import LlamaCppBackend, gguf_file_type
+from benchmarks.profile_draft import greedy_picks
+from duo_vllm.backends.llama_cpp import gguf_file_type
 from duo_vllm.models import default_draft_gguf, draft_quant_target, prepare_draft
 
 
@@ -39,17 +40,8 @@ def test_default_draft_is_requantised_once_and_keeps_its_greedy_tokens(tmp_path)
     # Q8_0 holds Q4_1's values almost exactly: fed the source's greedy chain,
     # the copy picks the same next token at (nearly) every position
     prompt = np.array([1, 9690, 314, 253, 5356, 28, 1812, 30, 2], dtype=np.int32)
-    chain, picks = [], []
-    for path in (src, out):
-        be = LlamaCppBackend(path, n_ctx=256, n_seq=1, n_threads=1)
-        logits, mine = be.decode([(0, prompt, 0)])[0], []
-        for i in range(32):
-            mine.append(int(np.argmax(logits)))
-            fed = chain[i] if chain else mine[-1]
-            logits = be.decode([(0, np.array([fed], dtype=np.int32), len(prompt) + i)])[0]
-        be.close()
-        chain = chain or mine
-        picks.append(mine)
+    chain = greedy_picks(src, [prompt], 32)
+    picks = [chain[0], greedy_picks(out, [prompt], 32, feed=chain)[0]]
     agree = np.mean(np.array(picks[0]) == np.array(picks[1]))
     assert agree >= 0.85, picks
 
