@@ -68,9 +68,21 @@ PAIR_NOTE = ("The default pair is one model at two precisions: SmolLM2-135M-Inst
 def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
     if not before or not after or "error" in before or "error" in after:
         return after
-    d = {k: after[k] - before.get(k, 0) for k in
-         ("requests", "predraft_hits", "predraft_lookups", "steps", "returned_tokens")}
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in
+         ("requests", "predraft_hits", "predraft_lookups", "steps", "returned_tokens",
+          "floor_steps", "no_slot", "probes")}
+    lengths = {int(n): c - before.get("chosen_lengths", {}).get(n, 0)
+               for n, c in after.get("chosen_lengths", {}).items()}
     return {
+        "floor_fraction": d["floor_steps"] / d["steps"] if d["steps"] else 0.0,
+        "no_slot": d["no_slot"], "probes": d["probes"],
+        "chosen_lengths": {n: c for n, c in sorted(lengths.items()) if c},
+        "draft_call_ms_by_width": after.get("draft_call_ms_by_width"),
+        "verify_token_ms": after.get("verify_token_ms"),
+        "target_step_ms_by_batch": after.get("target_step_ms_by_batch"),
+        "acceptance": {r: after.get(f"acceptance_{r}") for r in ("greedy", "sampled")},
+        "propose_wait_ms": after.get("propose_wait_ms"),  # averages since the engine started
+        "lock_wait_ms": after.get("lock_wait_ms"),
         "predraft_hit_rate": d["predraft_hits"] / d["requests"] if d["requests"] else 0.0,
         "branch_hit_rate": (d["predraft_hits"] / d["predraft_lookups"]
                             if d["predraft_lookups"] else 0.0),
@@ -108,7 +120,10 @@ def worker(req_path: str, out_path: str) -> None:
         spec_before, duo_before = spec_decode_metrics(llm), draft_stats(llm) if is_duo else None
         rows = []
         for rep in range(req["repeats"]):
-            if batch == 1:
+            if batch == "staggered":
+                rows.append(staggered(llm, prompts, shape, params(temp, None), rep))
+                bar.update()
+            elif batch == 1:
                 for j, prompt in enumerate(prompts):
                     t0 = time.perf_counter()
                     out = llm.generate([prompt], params(temp, 1000 * rep + j), use_tqdm=False)[0]
@@ -139,6 +154,40 @@ def worker(req_path: str, out_path: str) -> None:
                        "duo": _stats_delta(duo_before, draft_stats(llm)) if is_duo else None})
     bar.close()
     Path(out_path).write_text(json.dumps({"shapes": shapes}))
+
+
+def staggered(llm, prompts, shape, params, rep: int) -> dict:
+    """Requests that arrive over time, as a server sees them: ``shape["requests"]`` of
+    them, one every ``shape["gap_s"]`` seconds, through the engine's own request queue.
+
+    Returns the row: tokens, makespan, and every request's latency (arrival to finish).
+    """
+    engine = llm.llm_engine
+    n, gap = shape["requests"], shape["gap_s"]
+    order = [(i * 7 + rep) % len(prompts) for i in range(n)]  # the same mix in every method
+    arrive, done, tokens, outputs = {}, {}, {}, {}
+    t0 = time.perf_counter()
+    nxt = 0
+    while nxt < n or engine.has_unfinished_requests():
+        now = time.perf_counter() - t0
+        while nxt < n and nxt * gap <= now:
+            rid = f"s{rep}-{nxt}"
+            engine.add_request(rid, prompts[order[nxt]], params)
+            arrive[rid] = nxt * gap
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, nxt * gap - (time.perf_counter() - t0)))
+            continue
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = time.perf_counter() - t0
+                tokens[out.request_id] = len(out.outputs[0].token_ids)
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+    ids = sorted(arrive, key=lambda r: int(r.split("-")[1]))
+    lat = [done[r] - arrive[r] for r in ids]
+    return {"repeat": rep, "tokens": sum(tokens.values()),
+            "seconds": max(done.values()), "latency_s": lat,
+            "token_ids": [outputs[r] for r in ids]}
 
 
 # --- the driver -------------------------------------------------------------------------------
@@ -201,6 +250,10 @@ def run_method(name: str, target: str, prompts, tasks, args, workdir: Path,
 def shapes_of(args) -> list[dict]:
     shapes = [{"batch": 1, "temperature": t} for t in args.temperatures]
     shapes += [{"batch": b, "temperature": 0.0} for b in args.batch_sizes if b > 1]
+    shapes += [{"batch": b, "temperature": 0.7} for b in args.sampled_batch_sizes if b > 1]
+    if args.staggered:
+        shapes.append({"batch": "staggered", "temperature": 0.0,
+                       "requests": args.staggered, "gap_s": args.gap})
     return shapes
 
 
@@ -227,9 +280,18 @@ def summarise(results: dict) -> dict:
             sp = s["spec"]
             entry["mean_accepted_len"] = 1 + sp["accepted"] / sp["drafts"] if sp["drafts"] else None
             entry["acceptance_rate"] = sp["accepted"] / sp["proposed"] if sp["proposed"] else None
+            lat = [x for r in rows for x in r.get("latency_s", [])]
+            if lat:
+                lat.sort()
+                entry["p50_latency_s"] = statistics.median(lat)
+                entry["p95_latency_s"] = lat[min(len(lat) - 1, int(0.95 * len(lat)))]
             if s.get("duo"):
                 entry["predraft_hit_rate"] = s["duo"].get("predraft_hit_rate")
                 entry["branch_hit_rate"] = s["duo"].get("branch_hit_rate")
+                entry["controller"] = {k: s["duo"].get(k) for k in (
+                    "floor_fraction", "chosen_lengths", "no_slot", "probes",
+                    "draft_call_ms_by_width", "verify_token_ms", "target_step_ms_by_batch",
+                    "acceptance", "propose_wait_ms", "lock_wait_ms")}
             if s["temperature"] == 0.0 and key in ref_shapes:
                 mine = [x["token_ids"] for x in rows if x["repeat"] == 0]
                 theirs = [x["token_ids"] for x in ref_shapes[key]["rows"] if x["repeat"] == 0]
@@ -278,6 +340,32 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                 f"{_f(e.get('mean_accepted_len'))} | {_f(e.get('acceptance_rate'))} | "
                 f"{_f(e.get('predraft_hit_rate'))} | {_f(e.get('branch_hit_rate'))} | "
                 f"{'-' if eq is None else ('yes' if eq else '**NO**')} |")
+        lat = {n: e for n, e in methods.items() if e.get("p50_latency_s") is not None}
+        if lat:
+            ref = lat.get("plain-1core")
+            lines += ["", "| method | p50 latency s | p95 latency s | p50 vs plain-1core |",
+                      "|---|---|---|---|"]
+            for name, e in lat.items():
+                ratio = e["p50_latency_s"] / ref["p50_latency_s"] if ref else None
+                lines.append(f"| {name} | {e['p50_latency_s']:.2f} | {e['p95_latency_s']:.2f} "
+                             f"| {_f(ratio, '{:.2f}x')} |")
+        for name, e in methods.items():
+            c = e.get("controller")
+            if not c:
+                continue
+            widths = ", ".join(f"{w}: {ms:.1f}" for w, ms in
+                               list((c.get("draft_call_ms_by_width") or {}).items())[:8])
+            steps = ", ".join(f"B={b}: {ms:.0f}" for b, ms in
+                              (c.get("target_step_ms_by_batch") or {}).items())
+            lines.append(f"- {name} controller: draft lengths served {c['chosen_lengths']}, "
+                         f"plain-decoding steps {_f(c['floor_fraction'], '{:.0%}')}, "
+                         f"rows without a slot {c['no_slot']}, probes {c['probes']}; "
+                         f"measured: draft call ms by width {{{widths}}}, target step ms "
+                         f"{{{steps}}}, verify {_f(c.get('verify_token_ms'), '{:.1f}')} ms/token, "
+                         f"acceptance {c['acceptance']}; vLLM waited "
+                         f"{_f(c.get('propose_wait_ms'), '{:.1f}')} ms/step for drafts "
+                         f"({_f(c.get('lock_wait_ms'), '{:.1f}')} of it for a draft call under "
+                         "way; engine averages)")
         lines.append("")
     b1 = summary.get("batch1-t0", {})
     if b1:
@@ -322,7 +410,8 @@ def plots(summary: dict, out_dir: Path) -> list[str]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         made.append(str(path))
-    greedy = {int(k.split("-")[0][5:]): v for k, v in summary.items() if k.endswith("-t0")}
+    greedy = {int(k.split("-")[0][5:]): v for k, v in summary.items()
+              if k.endswith("-t0") and k.split("-")[0][5:].isdigit()}
     if len(greedy) > 1:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         methods = sorted({n for v in greedy.values() for n in v})
@@ -396,7 +485,13 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7],
-                    help="batch-1 temperatures (larger batches run greedy)")
+                    help="batch-1 temperatures")
+    ap.add_argument("--sampled-batch-sizes", type=int, nargs="*", default=[4],
+                    help="batch sizes > 1 also run at temperature 0.7")
+    ap.add_argument("--staggered", type=int, default=16, metavar="N",
+                    help="a shape of N requests arriving one every --gap seconds "
+                    "(a server under traffic; 0: none)")
+    ap.add_argument("--gap", type=float, default=1.5, help="seconds between staggered arrivals")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--method-timeout", type=int, default=1800)
@@ -412,6 +507,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.per_task, args.max_tokens, args.repeats = 1, 32, 1
         args.batch_sizes, args.temperatures, args.eager = [1, 4], [0.0, 0.7], True
+        args.sampled_batch_sizes, args.staggered, args.gap = [], 4, 0.5
 
     from transformers import AutoTokenizer
     from tqdm import tqdm

@@ -69,6 +69,7 @@ class DraftWorker:
         self._stash = None  # contexts of a step that could not wait for the drafter
         self._prompts: list = []  # prompts vLLM is prefilling, for the background thread
         self._max_prompts = config.max_sequences
+        self._lock_wait_s, self._proposes = 0.0, 0  # steps' waits for a decode under way
         self._wake = threading.Event()
         self._closed = False
         self._deadline = None
@@ -95,25 +96,27 @@ class DraftWorker:
     def token_texts(self) -> list[str]:
         return self.backend.token_texts()
 
-    def propose(self, contexts, max_tokens, target_step_s=None) -> list[list[int]]:
-        """Drafts for one vLLM step.
+    def propose(self, contexts, max_tokens, target_step_s=None, temperatures=None,
+                per_token_s=None) -> list[list[int]]:
+        """Drafts for one vLLM step (arguments: see :meth:`DuoDrafter.propose`).
 
-        A pre-draft still running stops at its next decode boundary. If the
-        drafter is not free within about one draft token's time (a long prompt
-        being prefilled in the background), the step goes without a draft and
-        these contexts are left for the background thread: vLLM never waits
-        on a prefill.
+        A pre-draft still running stops at its next decode boundary. A prefill
+        chunk under way is waited for only if it ends within a fraction of a
+        target step (chunks are sized for that while other requests decode);
+        otherwise the step goes without a draft and these contexts are left
+        for the background thread: vLLM never waits on a long prefill.
         """
         with self._state:
             self._waiting += 1
-        patience = 1.5 * self.drafter.token_s.get(0.02)
-        if self.drafter.busy_until - time.perf_counter() > patience:
-            patience = 0.0  # a prefill chunk is under way: do not wait for it at all
+        patience = self._patience(target_step_s)
+        t0 = time.perf_counter()
         got = self._lock.acquire(timeout=patience) if self._thread else self._lock.acquire()
+        self._lock_wait_s += time.perf_counter() - t0
+        self._proposes += 1
         with self._state:
             self._waiting -= 1
             if not got:
-                self._stash = (contexts, max_tokens, target_step_s)
+                self._stash = (contexts, max_tokens, target_step_s, temperatures, per_token_s)
                 self.drafter.stats.skipped_busy += 1
         if not got:
             self._wake.set()
@@ -121,13 +124,23 @@ class DraftWorker:
         try:
             with self._state:
                 self._stash = None  # superseded by this step
-            drafts = self.drafter.propose(contexts, max_tokens, target_step_s)
+            drafts = self.drafter.propose(contexts, max_tokens, target_step_s,
+                                          temperatures=temperatures, per_token_s=per_token_s)
             self._deadline = self.drafter.deadline_after(time.perf_counter())
         finally:
             self._lock.release()
         if self._thread is not None:
             self._wake.set()
         return drafts
+
+    def _patience(self, target_step_s) -> float:
+        """How long a step may wait for the drafter (the decode call under way)."""
+        patience = 1.5 * self.drafter.token_s.get(0.02)
+        left = self.drafter.busy_until - time.perf_counter()
+        if left > patience:  # a prefill chunk: wait only for one that ends soon
+            step = target_step_s or self.drafter.target_step_s or 0.05
+            patience = left + 0.002 if left < 0.5 * step else 0.0
+        return patience
 
     def prefetch(self, contexts) -> int:
         """Prompts vLLM is about to prefill: the background thread evaluates them now.
@@ -167,8 +180,9 @@ class DraftWorker:
                         stash, self._stash = self._stash, None
                         prompts, self._prompts = self._prompts, []
                     if stash is not None:  # a step that went without a draft
-                        contexts, max_tokens, step = stash
-                        self.drafter.propose(contexts, max_tokens, step, serve=False)
+                        contexts, max_tokens, step, temps, per_token = stash
+                        self.drafter.propose(contexts, max_tokens, step, serve=False,
+                                             temperatures=temps, per_token_s=per_token)
                         self._deadline = None
                     if prompts and self.drafter.prefetch(prompts):
                         self._deadline = None  # the target's prefill is no step
@@ -183,8 +197,14 @@ class DraftWorker:
             out = self.drafter.stats.as_dict()
             out["draft_token_ms"] = 1e3 * self.drafter.token_s.get(float("nan"))
             out["draft_prefill_token_ms"] = 1e3 * self.drafter.prefill_s.get(float("nan"))
+            out["lock_wait_ms"] = 1e3 * self._lock_wait_s / max(1, self._proposes)
             out["target_step_ms"] = 1e3 * (self.drafter.target_step_s or float("nan"))
-            out["acceptance_ema"] = self.drafter.alpha.get(float("nan"))
+            out["verify_token_ms"] = 1e3 * (self.drafter.per_token_s or float("nan"))
+            out["draft_call_ms_by_width"] = {w: 1e3 * s for w, s in
+                                             self.drafter.draft_time.table().items()}
+            acc = self.drafter.acceptance
+            out["acceptance_greedy"] = acc.regime_alpha("greedy")
+            out["acceptance_sampled"] = acc.regime_alpha("sampled")
             return out
 
     def ping(self) -> bool:

@@ -6,8 +6,8 @@
   top-1 choice, let θ = p1[top1] · p2[top2]. Every other top candidate of p1
   whose probability exceeds θ starts its own branch.
 * :func:`split_budget`: share a token budget among branches.
-* :func:`predraft_budget` / :func:`sync_draft_len`: the hardware-aware budget,
-  from measured draft time per token and target time per step.
+* how many tokens to draft at all is the goodput controller's
+  (:mod:`duo_vllm.goodput`).
 * :func:`select_branch`: given the context the target produced, which
   pre-drafted branch (if any) continues it.
 """
@@ -79,50 +79,6 @@ def split_budget(total: int, weights: list[float], cap: int, alpha: float = 0.8)
         _, neg_j = max(gains)
         alloc[-neg_j] += 1
     return alloc
-
-
-def predraft_budget(target_step_s: float, draft_token_s: float, catch_up: int,
-                    k: int, rows: int) -> int:
-    """Draft tokens per request that fit in one target step, beyond ``catch_up``.
-
-    The actor evaluates ``catch_up`` tokens per request first (the last token
-    of the draft it just returned), then drafts ahead. To finish when the
-    target does, it evaluates about ``target_step_s / draft_token_s`` tokens in
-    all (rounded to nearest: the deadline in the drafter stops an overshoot).
-    The result is per request, at least 1 and at most ``k`` (a branch of
-    ``k`` evaluated tokens yields a full draft of ``k``).
-    """
-    if draft_token_s <= 0 or rows <= 0:
-        return k
-    total = int(target_step_s / draft_token_s + 0.5) - catch_up * rows
-    return max(1, min(k, total // rows))
-
-
-def expected_accepted(alpha: float, n: int) -> float:
-    """Expected accepted tokens of an ``n``-token draft, i.i.d. acceptance ``alpha``."""
-    if n <= 0:
-        return 0.0
-    if alpha >= 1.0:
-        return float(n)
-    return alpha * (1 - alpha ** n) / (1 - alpha)
-
-
-def sync_draft_len(alpha: float, draft_token_s: float, target_step_s: float,
-                   verify_token_s: float, k: int) -> int:
-    """How many tokens to draft while the target waits (a pre-draft miss).
-
-    Maximises expected tokens per second of this step:
-    (1 + E[accepted(n)]) / (n · draft_token_s + target_step_s + n · verify_token_s).
-    Zero is allowed: then the target decodes one token while the actor
-    pre-drafts the next step.
-    """
-    best_n, best_rate = 0, -1.0
-    for n in range(0, k + 1):
-        t = n * draft_token_s + target_step_s + n * verify_token_s
-        rate = (1 + expected_accepted(alpha, n)) / t if t > 0 else 0.0
-        if rate > best_rate + 1e-12:
-            best_n, best_rate = n, rate
-    return best_n
 
 
 @dataclass

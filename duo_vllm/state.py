@@ -35,6 +35,9 @@ class Slot:
     # a prompt queued for this slot and not evaluated yet (the drafter's prefetch):
     # the request's first step must find this slot, not recycle another
     queued: np.ndarray | None = None
+    queued_at: int = 0
+    # the context of the request it served last: its name even while nothing is evaluated
+    seen: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -48,10 +51,19 @@ class Assignment:
 class SlotPool:
     """A bounded pool of draft sequences, matched to contexts by common prefix.
 
-    ``assign`` picks, for each context of a batch, a distinct slot: the one
-    with the longest common prefix, or else the least recently used one.
+    ``assign`` gives each context of a batch a distinct slot:
+
+    1. the slot it shares the longest *real* prefix with (longer than the
+       chat template every prompt starts with), longest matches first, so a
+       new context never takes the slot of a request further down the batch;
+    2. else an empty slot, else the least recently used one, never a ``live``
+       slot (a running request's) nor one queued for a prompt being prefilled;
+    3. else none: the request decodes without a draft (``no_slot``).
+
     Memory stays bounded: there are never more than ``size`` slots.
     """
+
+    QUEUED_TTL = 256  # assign() calls a queued prompt keeps its slot without showing up
 
     def __init__(self, size: int, min_reuse: int = 1):
         if size < 1:
@@ -59,50 +71,67 @@ class SlotPool:
         self.size = size
         self.slots = [Slot(seq_id=i) for i in range(size)]
         self.min_reuse = min_reuse
-        self._clock = 0
+        self.template_len = 0  # the prefix all prompts share (learned by note_prompts)
+        self._last_prompt: np.ndarray | None = None
+        self.clock = 0
 
-    def assign(self, contexts: list[np.ndarray]) -> list[Assignment | None]:
-        """One slot per context (``None`` past the pool size), no slot twice.
+    def note_prompts(self, prompts: list[np.ndarray]) -> None:
+        """Learn the chat template's length: the shortest prefix distinct prompts share."""
+        for p in prompts:
+            last = self._last_prompt
+            if last is not None and not np.array_equal(last, p):
+                shared = common_prefix_len(last, p)
+                if self.template_len == 0 or shared < self.template_len:
+                    self.template_len = shared
+            self._last_prompt = p
 
-        Contexts that match a slot are placed first, so a new context never
-        recycles the slot of a request further down the batch.
-        """
-        self._clock += 1
+    def _match(self, slot: Slot, ctx: np.ndarray) -> int:
+        m = common_prefix_len(slot.tokens, ctx)
+        for name in (slot.queued, slot.seen):
+            if name is not None:
+                m = max(m, common_prefix_len(name, ctx))
+        return m
+
+    def _protected(self, slot: Slot) -> bool:
+        if slot.queued is None:
+            return False
+        if self.clock - slot.queued_at > self.QUEUED_TTL:
+            slot.queued = None  # its request never came (aborted)
+            return False
+        return True
+
+    def assign(self, contexts: list[np.ndarray],
+               live: set[int] | frozenset[int] = frozenset()) -> list[Assignment | None]:
+        """One slot per context (``None`` when none is free), no slot twice."""
+        self.clock += 1
+        need = max(self.min_reuse, self.template_len + 1)
+        pairs = []
+        for i, ctx in enumerate(contexts):
+            for slot in self.slots:
+                m = self._match(slot, ctx)
+                if m >= need:
+                    pairs.append((m, slot.last_used, -i, slot.seq_id))
         taken: set[int] = set()
         out: list[Assignment | None] = [None] * len(contexts)
-        new = []
+        for _, _, neg_i, seq_id in sorted(pairs, reverse=True):
+            i = -neg_i
+            if out[i] is None and seq_id not in taken:
+                slot = self.slots[seq_id]
+                out[i] = self._take(slot, contexts[i], taken)
         for i, ctx in enumerate(contexts):
-            best, match = self._best_match(ctx, taken)
-            if best is None or match < self.min_reuse:
-                new.append(i)
+            if out[i] is not None:
                 continue
-            out[i] = self._take(best, taken)
-        for i in new:
-            free = [s for s in self.slots if s.seq_id not in taken]
+            free = [s for s in self.slots if s.seq_id not in taken and s.seq_id not in live
+                    and not self._protected(s)]
             if not free:
-                break
-            # no useful prefix anywhere: recycle the least recently used slot
-            lru = min(free, key=lambda s: s.last_used)
-            lru.queued = None  # it was queued for another request
-            out[i] = self._take(Assignment(lru, common_prefix_len(lru.tokens, contexts[i])),
-                                taken)
+                continue
+            # no real prefix anywhere: an empty slot, else the least recently used one
+            slot = min(free, key=lambda s: (len(s.tokens) > 0, s.last_used, s.seq_id))
+            slot.queued = slot.seen = None  # names of another request
+            out[i] = self._take(slot, ctx, taken)
         return out
 
-    def _best_match(self, ctx: np.ndarray, taken: set[int]) -> tuple[Assignment | None, int]:
-        """The free slot with the longest common prefix (held or queued), most recent first."""
-        best, best_match = None, -1
-        for slot in self.slots:
-            if slot.seq_id in taken:
-                continue
-            reuse = common_prefix_len(slot.tokens, ctx)
-            match = reuse if slot.queued is None else max(
-                reuse, common_prefix_len(slot.queued, ctx))
-            if match > best_match or (match == best_match
-                                      and slot.last_used > best.slot.last_used):
-                best, best_match = Assignment(slot, reuse), match
-        return best, best_match
-
-    def _take(self, a: Assignment, taken: set[int]) -> Assignment:
-        a.slot.last_used = self._clock
-        taken.add(a.slot.seq_id)
-        return a
+    def _take(self, slot: Slot, ctx: np.ndarray, taken: set[int]) -> Assignment:
+        slot.last_used = self.clock
+        taken.add(slot.seq_id)
+        return Assignment(slot, common_prefix_len(slot.tokens, ctx))

@@ -100,7 +100,11 @@ def with_new_request_hook(update_states):
     @functools.wraps(update_states)
     def _update_states(self, scheduler_output, *args, **kwargs):
         new_reqs = getattr(scheduler_output, "scheduled_new_reqs", None)
-        hook = getattr(getattr(self, "drafter", None), "on_new_requests", None)
+        drafter = getattr(self, "drafter", None)
+        attach = getattr(drafter, "attach_runner", None)
+        if attach is not None and getattr(drafter, "_runner", None) is not self:
+            attach(self)  # the proposer reads each request's sampling settings from it
+        hook = getattr(drafter, "on_new_requests", None)
         if new_reqs and hook is not None:
             try:
                 hook(new_reqs)

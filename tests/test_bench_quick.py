@@ -32,10 +32,14 @@ def test_quick_benchmark(tmp_path):
         assert results[name]["available"], results[name].get("reason")
     for name, r in results.items():  # the optional ones: measured, or the reason recorded
         assert r["available"] or r["reason"].strip()
-    assert set(summary) == {"batch1-t0", "batch1-t0.7", "batch4-t0"}
-    for key in ("batch1-t0", "batch4-t0"):
+    assert set(summary) == {"batch1-t0", "batch1-t0.7", "batch4-t0", "batchstaggered-t0"}
+    for key in ("batch1-t0", "batch4-t0", "batchstaggered-t0"):
         for name, e in summary[key].items():
             assert e["greedy_equal"] is True, (key, name)
+    for e in summary["batchstaggered-t0"].values():  # requests arriving over time
+        assert 0 < e["p50_latency_s"] <= e["p95_latency_s"]
+    duo = summary["batch4-t0"]["duo-full"]["controller"]  # what the controller chose, and why
+    assert sum(duo["chosen_lengths"].values()) > 0 and duo["draft_call_ms_by_width"]
     b1 = summary["batch1-t0"]
     assert b1["oracle"]["acceptance_rate"] == 1.0  # it replays plain vLLM's own output
     assert b1["duo-full"]["predraft_hit_rate"] is not None

@@ -1,11 +1,10 @@
-"""The θ rule, the budget split, the hardware budget and branch selection, by hand."""
+"""The θ rule, the budget split and branch selection, by hand."""
 
 import numpy as np
 import pytest
 
 from duo_vllm.branching import (
-    Branch, Tree, branch_candidates, expected_accepted, predraft_budget, select_branch,
-    split_budget, sync_draft_len, top_candidates,
+    Branch, Tree, branch_candidates, select_branch, split_budget, top_candidates,
 )
 
 
@@ -53,29 +52,6 @@ def test_split_budget(total, weights, alpha, cap, want):
     got = split_budget(total, weights, cap, alpha)
     assert got == want
     assert sum(got) == min(total, cap * len(weights))
-
-
-def test_predraft_budget_fills_the_target_step():
-    # 100 ms target step, 10 ms per draft token, 1 catch-up token: 9 tokens, clamped to k
-    assert predraft_budget(0.100, 0.010, catch_up=1, k=4, rows=1) == 4
-    assert predraft_budget(0.030, 0.010, catch_up=1, k=4, rows=1) == 2
-    # two requests share it
-    assert predraft_budget(0.100, 0.010, catch_up=1, k=8, rows=2) == 4
-    # never below one
-    assert predraft_budget(0.005, 0.010, catch_up=1, k=4, rows=1) == 1
-
-
-def test_expected_accepted():
-    assert expected_accepted(0.5, 0) == 0
-    assert expected_accepted(1.0, 3) == 3
-    assert expected_accepted(0.5, 2) == pytest.approx(0.5 + 0.25)
-
-
-def test_sync_draft_len_trades_waiting_for_acceptance():
-    # drafting is cheap and accurate: draft the most
-    assert sync_draft_len(0.9, 0.001, 0.05, 0.001, k=4) == 4
-    # drafting is expensive and the draft is poor: do not make the target wait
-    assert sync_draft_len(0.2, 0.05, 0.05, 0.001, k=4) == 0
 
 
 def test_select_branch_needs_full_acceptance_and_a_matching_first_token():

@@ -1,6 +1,8 @@
 import numpy as np
+import pytest
 
 from duo_vllm.drafter import DraftPolicy, DuoDrafter
+from duo_vllm.goodput import PROBE_EVERY
 from tests.fakes import FakeBackend
 
 
@@ -9,6 +11,8 @@ def ctx(*xs):
 
 
 def serial(k=4, **kw):
+    """Serial drafting; a fixed budget of k unless given (the controller is tested apart)."""
+    kw.setdefault("budget", k)
     return DraftPolicy(k=k, parallel=False, **kw)
 
 
@@ -177,27 +181,76 @@ def test_sequences_stay_consistent_over_many_steps():
     assert d.stats.predraft_hits > 0 and d.stats.errors == 0
 
 
-def test_auto_budget_stops_extending_at_the_deadline():
-    be = FakeBackend()
-    d = DuoDrafter(be, max_sequences=2, n_ctx=100,
-                   policy=DraftPolicy(k=4, parallel=True, multi_sequence=False, budget=None))
-    d.propose([ctx(1, 2)], [4], target_step_s=0.05)
-    d.predraft(deadline=0.0)  # already past: catch-up and top-1 only
-    assert len(d.trees[0].branches[0].tokens) == 2
-    assert d.deadline_after(10.0) == 10.05
-    d.predraft()
+class FixedDraftTime:
+    """D(w) pinned to ``per_call_s + per_token_s · (w - 1)`` (a fake backend's own is µs)."""
+
+    def __init__(self, per_call_s, per_token_s=0.0):
+        self.per_call_s, self.per_token_s = per_call_s, per_token_s
+
+    def __call__(self, w):
+        return 0.0 if w <= 0 else self.per_call_s + self.per_token_s * (w - 1)
+
+    def observe(self, width, seconds):
+        pass
+
+    def table(self):
+        return {}
 
 
-def test_auto_budget_without_a_deadline_extends_to_the_planned_length():
-    be = FakeBackend()
-    d = DuoDrafter(be, max_sequences=2, n_ctx=100,
-                   policy=DraftPolicy(k=4, parallel=True, multi_sequence=False, budget=None))
-    d.propose([ctx(1, 2)], [4], target_step_s=0.035)
-    d.token_s.value = 0.010  # as if measured: round(3.5) - 1 catch-up = 3 evaluations
-    d._plan_jobs()
-    assert d.jobs[0].evals == 3
-    d.predraft()
-    assert len(d.trees[0].branches[0].tokens) == 4
+def auto(**kw):
+    return DraftPolicy(k=4, parallel=True, budget=None, **{"multi_sequence": False, **kw})
+
+
+def test_controller_pre_drafts_what_fits_the_step_and_stops_at_the_deadline():
+    be, d = make(auto())
+    d.draft_time = FixedDraftTime(0.010)
+    d.propose([ctx(1, 2)], [4], target_step_s=0.05, per_token_s=0.002)
+    # the deadline is the step under way, as planned: T₀ + c · (tokens served)
+    served = d.last_draft[0][1]
+    assert d.deadline_after(10.0) == pytest.approx(10.05 + 0.002 * len(served))
+    job = d.jobs[0]
+    assert 1 <= job.evals <= 4  # catch-up + evals calls of 10 ms fit in 0.9 · 50 ms
+    d.predraft(deadline=0.0)  # already past: the catch-up only (the slot stays in sync)
+    assert d.trees[0].branches[0].tokens == be.chain(int(d.trees[0].prefix[-1]), 1)
+
+
+def test_controller_drafts_nothing_when_drafting_does_not_pay():
+    be, d = make(auto())
+    d.draft_time = FixedDraftTime(1.0)  # a draft call costs 20 target steps
+    for i in range(3):
+        assert d.propose([ctx(1, 2, *range(3, 3 + i))], [4], target_step_s=0.05,
+                         per_token_s=0.002) == [[]]
+        assert d.jobs == []  # and spends no draft work on the next step either
+    assert be.decode_calls == 0
+    assert d.stats.floor_steps == 3 and d.stats.chosen_lengths == {0: 3}
+
+
+def test_controller_verifying_too_expensive_gives_zero_then_probes():
+    be, d = make(auto())
+    d.draft_time = FixedDraftTime(0.001)
+    seq = [1, 2]
+    steps = 0
+    while not d.jobs:  # c = T₀: a verified token costs a whole step
+        assert d.propose([ctx(*seq)], [4], target_step_s=0.05, per_token_s=0.05) == [[]]
+        seq.append(be.next_token(seq[-1]))
+        steps += 1
+    assert steps == PROBE_EVERY and d.stats.probes == 1
+    assert d.jobs[0].evals == 1  # a one-token probe: acceptance may have risen
+
+
+def test_controller_serves_more_to_requests_that_accept_more():
+    be, d = make(auto(), seqs=2)
+    d.draft_time = FixedDraftTime(0.002)
+    good, poor = [1, 2], [30, 31]
+    for _ in range(12):
+        drafts = d.propose([ctx(*good), ctx(*poor)], [4, 4], target_step_s=0.05,
+                           per_token_s=0.004)
+        d.predraft()
+        good += drafts[0] + [be.next_token((drafts[0] or good)[-1])]  # all accepted
+        poor += [(poor[-1] + 1) % 50]  # the target never agrees with the draft
+    assert len(drafts[0]) == 4 and len(drafts[1]) < 4
+    assert d.acceptance.alpha(0, "greedy") > 0.9
+    assert d.acceptance.alpha(1, "greedy") < d.acceptance.alpha(0, "greedy") - 0.3
 
 
 def freeze_timings(d, token_s, prefill_s):

@@ -30,7 +30,8 @@ def batch(contexts, width=256):
 
 @pytest.fixture(scope="module")
 def inproc(target_dir):
-    return DuoProposer(vllm_config(target_dir, duo={"use_actor": False, "parallel": False}))
+    return DuoProposer(vllm_config(target_dir, duo={"use_actor": False, "parallel": False,
+                                                    "budget": 4}))
 
 
 def test_propose_drafts_for_rows_that_sampled(inproc, tokenizer):
@@ -45,7 +46,8 @@ def test_propose_drafts_for_rows_that_sampled(inproc, tokenizer):
 
 
 def test_budget_is_clamped_at_max_model_len(target_dir, tokenizer):
-    p = DuoProposer(vllm_config(target_dir, duo={"use_actor": False, "parallel": False},
+    p = DuoProposer(vllm_config(target_dir, duo={"use_actor": False, "parallel": False,
+                                                 "budget": 4},
                                 max_model_len=20))
     ctx = list(range(1000, 1019))
     ids, n = batch([ctx[:17], ctx[:19]])

@@ -20,10 +20,9 @@ def test_pool_matches_by_longest_prefix_and_never_shares_a_slot():
     pool.slots[0].tokens = a(1, 2, 3)
     pool.slots[1].tokens = a(7, 8)
     got = pool.assign([a(7, 8, 9), a(1, 2, 5), a(1, 2, 3, 4)])
-    assert [x.slot.seq_id for x in got[:2]] == [1, 0]
-    assert [x.reuse for x in got[:2]] == [2, 2]
-    # slot 0 is taken, so the third context gets the remaining (empty) slot
-    assert got[2].slot.seq_id == 2 and got[2].reuse == 0
+    # the longest match wins slot 0; the shorter one gets the remaining (empty) slot
+    assert [x.slot.seq_id for x in got] == [1, 2, 0]
+    assert [x.reuse for x in got] == [2, 0, 3]
 
 
 def test_pool_recycles_least_recently_used_and_is_bounded():
@@ -56,3 +55,39 @@ def test_a_new_context_never_takes_the_slot_of_a_later_row():
     got = pool.assign([a(3, 3), a(2, 2, 5)])  # the stranger comes first in the batch
     assert got[1].slot.seq_id == 1 and got[1].reuse == 2  # the known request keeps its slot
     assert got[0].slot.seq_id == 0 and got[0].reuse == 0
+
+
+TEMPLATE = (50, 51, 52, 53)  # the chat template every prompt starts with
+
+
+def test_a_shared_chat_template_is_no_match():
+    pool = SlotPool(3)
+    pool.note_prompts([a(*TEMPLATE, 1, 2), a(*TEMPLATE, 7, 8, 9)])
+    assert pool.template_len == len(TEMPLATE)
+    pool.slots[0].tokens = a(*TEMPLATE, 1, 2, 3)  # an earlier request, finished
+    pool.slots[0].last_used = 5
+    (x,) = pool.assign([a(*TEMPLATE, 9, 9)])
+    assert x.slot.seq_id == 1  # an empty slot, not the template match
+    # a real shared prefix (a second turn of that conversation) is reused
+    (y,) = pool.assign([a(*TEMPLATE, 1, 2, 3, 4, 5)])
+    assert y.slot.seq_id == 0 and y.reuse == len(TEMPLATE) + 3
+
+
+def test_prefetch_never_takes_a_live_slot():
+    pool = SlotPool(2)
+    pool.slots[0].tokens, pool.slots[1].tokens = a(1, 1), a(2, 2)
+    pool.slots[0].last_used, pool.slots[1].last_used = 1, 2
+    # slot 0 is the least recently used, but its request is running (live)
+    (x,) = pool.assign([a(3, 3)], live={0})
+    assert x.slot.seq_id == 1
+    assert pool.assign([a(4, 4)], live={0, 1}) == [None]  # no slot: plain decoding
+
+
+def test_a_queued_slot_is_protected_until_its_request_comes_or_expires():
+    pool = SlotPool(1)
+    (x,) = pool.assign([a(1, 2, 3)])
+    x.slot.queued, x.slot.queued_at = a(1, 2, 3), pool.clock
+    assert pool.assign([a(9, 9)]) == [None]  # a stranger does not take it
+    pool.clock += pool.QUEUED_TTL + 1
+    (y,) = pool.assign([a(9, 9)])  # its request never came
+    assert y.slot.seq_id == 0 and y.slot.queued is None

@@ -1,0 +1,305 @@
+"""The goodput controller: how many tokens to draft, for which request, each step.
+
+One vLLM step over a batch of B requests, where request i gets a draft of n_i tokens:
+
+    tokens(n)  = B + Σ_i E(α_i, n_i)         E(α, n) = α (1 - αⁿ) / (1 - α)
+    seconds(n) = T(B, Σ_i n_i) + W(n)         T(B, e) = T₀(B) + c · e
+    goodput    = tokens(n) / seconds(n)       floor   = B / T₀(B)  (plain decoding)
+
+α_i is request i's measured acceptance (per token, per regime: greedy or
+sampled), T₀(B) the target's measured step time at batch B, c its measured
+cost per extra verified token, and W the time vLLM waits for drafts drafted
+on the spot. Drafts pre-drafted while the target verified cost no wait.
+
+Adding the j-th draft token of request i gains α_iʲ tokens for c seconds, so
+it raises goodput iff α_iʲ > c · goodput. Gains fall along a draft and cost
+is the same for every token, so the greedy choice of the best next token,
+stopped at the first that does not pay, is optimal (:func:`plan_served`).
+When nothing pays, every n_i is 0: plain decoding, and no draft work.
+
+Everything here is a pure function of measured numbers, or a small model
+that turns measurements into those numbers (:class:`StepTimeModel`,
+:class:`DraftTimeModel`, :class:`Acceptance`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+GREEDY, SAMPLED = "greedy", "sampled"
+PRIOR_ALPHA = {GREEDY: 0.7, SAMPLED: 0.5}
+PROBE_EVERY = 16  # steps a request may go without a draft before it is probed again
+
+
+def regime(temperature: float) -> str:
+    return GREEDY if temperature < 1e-5 else SAMPLED
+
+
+def expected_accepted(alpha: float, n: int) -> float:
+    """E(α, n): expected accepted tokens of an ``n``-token draft, i.i.d. acceptance ``α``."""
+    if n <= 0:
+        return 0.0
+    if alpha >= 1.0:
+        return float(n)
+    return alpha * (1 - alpha ** n) / (1 - alpha)
+
+
+@dataclass(frozen=True)
+class TargetCost:
+    """T(B, e) = t0 + per_token · e for the current batch: the step that verifies e extra tokens."""
+
+    t0: float  # T₀(B): a plain step at this batch size, seconds
+    per_token: float  # c: seconds per extra verified token
+
+    def step(self, extra: float) -> float:
+        return self.t0 + self.per_token * extra
+
+
+def plan_served(alphas: Sequence[float], available: Sequence[int], cost: TargetCost,
+                base_tokens: float | None = None) -> list[int]:
+    """Tokens to serve per request from drafts that cost no wait (pre-drafted).
+
+    Greedy on marginal gain: the next token of the request whose next token is
+    most likely accepted, while α_iʲ > c · goodput. ``available[i]`` caps n_i.
+    """
+    n = [0] * len(alphas)
+    tokens = float(len(alphas) if base_tokens is None else base_tokens)
+    extra = 0
+    while True:
+        best, gain = -1, 0.0
+        for i, (a, cap) in enumerate(zip(alphas, available)):
+            if n[i] < cap and a ** (n[i] + 1) > gain:
+                best, gain = i, a ** (n[i] + 1)
+        if best < 0 or not pays(gain, tokens / cost.step(extra), cost):
+            return n
+        n[best] += 1
+        tokens += gain
+        extra += 1
+
+
+def pays(gain: float, rate: float, cost: TargetCost) -> bool:
+    """Does a draft token with expected gain ``gain`` raise a goodput of ``rate``?"""
+    return gain > cost.per_token * rate
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    rows: tuple[int, ...]  # indices into the candidates, drafted on the spot
+    depth: int  # tokens drafted for each of them (capped per request)
+    wait_s: float  # predicted wait for those drafts
+
+
+def plan_sync(alphas: Sequence[float], caps: Sequence[int], catch_up: Sequence[int],
+              cost: TargetCost, draft_time: Callable[[int], float],
+              base_tokens: float, base_extra: int) -> SyncPlan:
+    """Draft now, while vLLM waits, for requests without a pre-draft?
+
+    The candidates (with their ``catch_up`` tokens to evaluate first) are
+    taken most-likely-accepted first: the m best drafted to depth d cost
+    D(Σ catch-up) + (d - 1) · D(m) of waiting. The (m, d) with the best
+    goodput wins; (0, 0) when none beats ``base`` (the rest of the step).
+    """
+    order = sorted(range(len(alphas)), key=lambda i: -alphas[i])
+    best = SyncPlan((), 0, 0.0)
+    best_rate = base_tokens / cost.step(base_extra)
+    k = max(caps, default=0)
+    for m in range(1, len(order) + 1):
+        rows = order[:m]
+        first = draft_time(sum(max(1, catch_up[i]) for i in rows))
+        for d in range(1, k + 1):
+            n = [min(d, caps[i]) for i in rows]
+            wait = first + (d - 1) * draft_time(m)
+            tokens = base_tokens + sum(expected_accepted(alphas[i], x) for i, x in zip(rows, n))
+            rate = tokens / (cost.step(base_extra + sum(n)) + wait)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = SyncPlan(tuple(rows), d, wait), rate
+    return best
+
+
+def predraft_time(depths: Sequence[int], catch_up: Sequence[int],
+                  draft_time: Callable[[int], float]) -> float:
+    """Draft time of a pre-draft: one catch-up call, then one call per depth level."""
+    live = [i for i, m in enumerate(depths) if m > 0]
+    if not live:
+        return 0.0
+    t = draft_time(sum(max(1, catch_up[i]) for i in live))
+    for level in range(1, max(depths) + 1):
+        t += draft_time(sum(1 for m in depths if m >= level))
+    return t
+
+
+def plan_predraft(alphas: Sequence[float], hit_probs: Sequence[float], caps: Sequence[int],
+                  catch_up: Sequence[int], budget_s: float,
+                  draft_time: Callable[[int], float], min_gain: float) -> list[int]:
+    """Depth of each request's pre-draft, to be ready when the target's step ends.
+
+    The j-th pre-drafted token of request i is worth p_i · α_iʲ (``p_i``: the
+    chance the pre-draft is used at all). Greedy by worth per second of draft
+    time, within ``budget_s`` (the target's expected step); a token worth less
+    than ``min_gain`` would not be served (:func:`pays`), so it is not drafted.
+    """
+    m = [0] * len(alphas)
+    spent = 0.0
+    while True:
+        best, best_score, best_t = -1, 0.0, 0.0
+        for i, (a, p, cap) in enumerate(zip(alphas, hit_probs, caps)):
+            if m[i] >= cap:
+                continue
+            worth = p * a ** (m[i] + 1)
+            if worth <= min_gain:
+                continue
+            m[i] += 1
+            t = predraft_time(m, catch_up, draft_time)
+            m[i] -= 1
+            if t > budget_s:
+                continue
+            score = worth / max(t - spent, 1e-6)
+            if score > best_score:
+                best, best_score, best_t = i, score, t
+        if best < 0:
+            return m
+        m[best] += 1
+        spent = best_t
+
+
+# --- measured costs ---------------------------------------------------------------------------
+
+class StepTimeModel:
+    """T(B, e) = T₀(B) + c · e, fitted to observed steps (least squares with forgetting).
+
+    One fit per batch size B gives T₀(B); the slope c is pooled over batch
+    sizes (within-B variation only), since few steps at one B vary e much.
+    """
+
+    def __init__(self, decay: float = 0.97, prior_per_token: float = 0.1):
+        self.decay = decay
+        self.prior_per_token = prior_per_token  # c as a fraction of T₀ until measured
+        self._sums: dict[int, list[float]] = {}  # B -> [w, Σx, Σy, Σxx, Σxy]
+
+    def observe(self, batch: int, extra: int, seconds: float) -> None:
+        s = self._sums.setdefault(batch, [0.0] * 5)
+        for j in range(5):
+            s[j] *= self.decay
+        s[0] += 1
+        s[1] += extra
+        s[2] += seconds
+        s[3] += extra * extra
+        s[4] += extra * seconds
+
+    def per_token(self) -> float | None:
+        """Pooled slope c, or ``None`` while no batch size has seen e vary."""
+        cov = var = 0.0
+        for w, sx, sy, sxx, sxy in self._sums.values():
+            if w <= 0:
+                continue
+            var += sxx - sx * sx / w
+            cov += sxy - sx * sy / w
+        if var < 1.0:  # less than about one token of spread in all
+            return None
+        return max(0.0, cov / var)
+
+    def cost(self, batch: int) -> TargetCost | None:
+        """T(B, ·) for ``batch``; ``None`` before any step was seen."""
+        if not self._sums:
+            return None
+        c = self.per_token()
+        if batch in self._sums and self._sums[batch][0] > 0:
+            w, sx, sy, _, _ = self._sums[batch]
+            mx, my = sx / w, sy / w
+            if c is None:
+                c = self.prior_per_token * my / (1 + self.prior_per_token * mx)
+            return TargetCost(max(my - c * mx, 1e-4), c)
+        # unseen batch size: the nearest seen one, plus or minus a token per request
+        near = min(self._sums, key=lambda b: abs(b - batch))
+        base = self.cost(near)
+        step = base.per_token if c is None else c
+        return TargetCost(max(base.t0 + (batch - near) * step, 1e-4), base.per_token)
+
+    def predict(self, batch: int, extra: int) -> float | None:
+        cost = self.cost(batch)
+        return None if cost is None else cost.step(extra)
+
+
+class DraftTimeModel:
+    """D(w): draft time of one decode call of w tokens, measured per width (EMA).
+
+    Widths not seen yet are interpolated between the nearest seen ones (or
+    scaled from the nearest, per token, beyond them); ``prior`` before any.
+    """
+
+    def __init__(self, prior_s: float = 0.015, weight: float = 0.2):
+        self.prior_s, self.weight = prior_s, weight
+        self._by_width: dict[int, float] = {}
+
+    @staticmethod
+    def bucket(width: int) -> int:
+        """Exact widths up to 16, then powers of two (prefill chunks)."""
+        return width if width <= 16 else 1 << math.ceil(math.log2(width))
+
+    def observe(self, width: int, seconds: float) -> None:
+        b = self.bucket(max(1, width))
+        per = seconds * b / max(1, width)  # normalise to the bucket's width
+        old = self._by_width.get(b)
+        self._by_width[b] = per if old is None else old + self.weight * (per - old)
+
+    def __call__(self, width: int) -> float:
+        if width <= 0:
+            return 0.0
+        if not self._by_width:
+            return self.prior_s * width
+        ws = sorted(self._by_width)
+        if width in self._by_width:
+            return self._by_width[width]
+        lo = max((w for w in ws if w < width), default=None)
+        hi = min((w for w in ws if w > width), default=None)
+        if lo is not None and hi is not None:
+            f = (width - lo) / (hi - lo)
+            return self._by_width[lo] + f * (self._by_width[hi] - self._by_width[lo])
+        near = lo if lo is not None else hi
+        if near > width:  # below every measured width: no cheaper than per token of it
+            return self._by_width[near] * max(width / near, 0.5)
+        return self._by_width[near] * width / near
+
+    def table(self) -> dict[int, float]:
+        return dict(sorted(self._by_width.items()))
+
+
+class Acceptance:
+    """Per-token acceptance α, per request and per regime (greedy or sampled).
+
+    A draft of n tokens of which a were accepted is a + [a < n] Bernoulli
+    trials with a successes (each draft token is tried until the first
+    rejection). Counts decay so α follows a request's drift. A request's α
+    starts from its regime's α (``prior_weight`` trials of it).
+    """
+
+    def __init__(self, decay: float = 0.9, prior_weight: float = 4.0):
+        self.decay, self.prior_weight = decay, prior_weight
+        self._regime = {r: [0.0, 0.0] for r in PRIOR_ALPHA}  # successes, trials
+        self._requests: dict[object, list[float]] = {}
+
+    def observe(self, key, reg: str, accepted: int, proposed: int) -> None:
+        if proposed <= 0:
+            return
+        trials = accepted + (1 if accepted < proposed else 0)
+        g = self._regime[reg]
+        g[0] = 0.98 * g[0] + accepted
+        g[1] = 0.98 * g[1] + trials
+        r = self._requests.setdefault(key, [0.0, 0.0])
+        r[0] = self.decay * r[0] + accepted
+        r[1] = self.decay * r[1] + trials
+
+    def regime_alpha(self, reg: str) -> float:
+        s, t = self._regime[reg]
+        w = self.prior_weight
+        return (s + w * PRIOR_ALPHA[reg]) / (t + w)
+
+    def alpha(self, key, reg: str) -> float:
+        s, t = self._requests.get(key, (0.0, 0.0))
+        w = self.prior_weight
+        return min(0.99, (s + w * self.regime_alpha(reg)) / (t + w))
+
+    def forget(self, key) -> None:
+        self._requests.pop(key, None)

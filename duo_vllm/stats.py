@@ -1,0 +1,77 @@
+"""Counters of the draft side, cumulative since start (read by logs, benchmarks, /metrics)."""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+
+class Ema:
+    """Exponential moving average; ``None`` until the first sample."""
+
+    def __init__(self, weight: float = 0.2):
+        self.weight, self.value = weight, None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.weight * (x - self.value)
+
+    def get(self, default: float) -> float:
+        return default if self.value is None else self.value
+
+
+@dataclass
+class DraftStats:
+    """Counters of the draft side, cumulative since start."""
+
+    steps: int = 0
+    requests: int = 0  # request-steps served
+    predraft_hits: int = 0  # served from a branch, no waiting
+    predraft_lookups: int = 0  # request-steps that had a branch tree to look in
+    branch_hits: collections.Counter = field(default_factory=collections.Counter)  # by rank
+    branch_counts: collections.Counter = field(default_factory=collections.Counter)
+    chosen_lengths: collections.Counter = field(default_factory=collections.Counter)
+    returned_tokens: int = 0
+    sync_tokens: int = 0  # evaluated while vLLM waited
+    predraft_tokens: int = 0  # evaluated while vLLM verified
+    prefill_tokens: int = 0
+    reused_tokens: int = 0
+    interrupted: int = 0
+    skipped_busy: int = 0  # steps that went without a draft: the drafter was prefilling
+    prefetched_prompts: int = 0  # prompts evaluated while the target prefilled them
+    floor_steps: int = 0  # steps the controller chose plain decoding for every request
+    no_slot: int = 0  # request-steps left to plain decoding: every draft slot was in use
+    probes: int = 0  # drafts made only to re-measure acceptance
+    errors: int = 0
+    busy_s: float = 0.0
+    started: float | None = None  # the first step
+
+    def as_dict(self) -> dict:
+        lookups = self.predraft_lookups
+        wall = time.monotonic() - self.started if self.started is not None else 0.0
+        return {
+            "steps": self.steps,
+            "requests": self.requests,
+            "predraft_hits": self.predraft_hits,
+            "predraft_lookups": lookups,
+            "predraft_hit_rate": self.predraft_hits / self.requests if self.requests else 0.0,
+            "branch_hit_rate": self.predraft_hits / lookups if lookups else 0.0,
+            "branch_hits_by_rank": dict(sorted(self.branch_hits.items())),
+            "branch_count_distribution": dict(sorted(self.branch_counts.items())),
+            "chosen_lengths": dict(sorted(self.chosen_lengths.items())),
+            "draft_tokens_per_step": self.returned_tokens / self.steps if self.steps else 0.0,
+            "returned_tokens": self.returned_tokens,
+            "sync_tokens": self.sync_tokens,
+            "predraft_tokens": self.predraft_tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "reused_tokens": self.reused_tokens,
+            "interrupted": self.interrupted,
+            "skipped_busy": self.skipped_busy,
+            "prefetched_prompts": self.prefetched_prompts,
+            "floor_steps": self.floor_steps,
+            "floor_fraction": self.floor_steps / self.steps if self.steps else 0.0,
+            "no_slot": self.no_slot,
+            "probes": self.probes,
+            "errors": self.errors,
+            "busy_fraction": self.busy_s / wall if wall > 0 else 0.0,
+        }

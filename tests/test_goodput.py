@@ -1,0 +1,145 @@
+"""The goodput controller, on hand-built cost tables."""
+
+import pytest
+
+from duo_vllm.goodput import (
+    Acceptance, DraftTimeModel, StepTimeModel, TargetCost, expected_accepted, plan_predraft,
+    plan_served, plan_sync, predraft_time, regime,
+)
+
+
+def per_call(ms_one: float, ms_more: float = 0.0):
+    """D(w) = ms_one + ms_more · (w - 1) milliseconds."""
+    return lambda w: 0.0 if w <= 0 else 1e-3 * (ms_one + ms_more * (w - 1))
+
+
+def goodput(alphas, n, cost, wait=0.0):
+    return (len(alphas) + sum(expected_accepted(a, x) for a, x in zip(alphas, n))) / (
+        cost.step(sum(n)) + wait)
+
+
+def test_expected_accepted():
+    assert expected_accepted(0.5, 0) == 0
+    assert expected_accepted(1.0, 3) == 3
+    assert expected_accepted(0.5, 2) == pytest.approx(0.5 + 0.25)
+
+
+def test_served_tokens_stop_where_verifying_costs_more_than_they_bring():
+    cost = TargetCost(0.050, 0.005)  # a token verified costs a tenth of a step
+    # at batch 1, α = 0.9: the 4th token gains 0.66 > 0.005 · rate (~0.1)
+    assert plan_served([0.9], [4], cost) == [4]
+    # a poor draft is not worth verifying: α = 0.05 < c · floor = 0.1
+    assert plan_served([0.05], [4], cost) == [0]
+    # verification as expensive as a whole step: nothing pays
+    assert plan_served([0.9], [4], TargetCost(0.050, 0.050)) == [0]
+    # never more than the pre-draft holds
+    assert plan_served([0.99], [2], cost) == [2]
+
+
+def test_served_plan_is_the_best_of_all_plans():
+    cost = TargetCost(0.100, 0.006)
+    alphas = [0.9, 0.5, 0.2, 0.7]
+    got = plan_served(alphas, [3] * 4, cost)
+    best = max(((a, b, c, d) for a in range(4) for b in range(4) for c in range(4)
+                for d in range(4)), key=lambda n: goodput(alphas, n, cost))
+    assert goodput(alphas, got, cost) == pytest.approx(goodput(alphas, best, cost))
+    assert got[0] >= got[3] >= got[1] >= got[2]  # higher acceptance, more tokens
+
+
+def test_higher_acceptance_gives_more_tokens():
+    cost = TargetCost(0.050, 0.008)
+    lengths = [plan_served([a], [8], cost)[0] for a in (0.2, 0.4, 0.6, 0.8, 0.95)]
+    assert lengths == sorted(lengths) and lengths[0] < lengths[-1]
+
+
+def test_a_wider_batch_shrinks_the_budget_smoothly():
+    # T₀(B) grows slower than B (batching pays), so each token's share of a step
+    # falls and verifying a draft token costs relatively more
+    per_row = []
+    for b in (1, 2, 4, 8, 16, 32):
+        cost = TargetCost(0.045 + 0.005 * b, 0.004)
+        per_row.append(sum(plan_served([0.8] * b, [6] * b, cost)) / b)
+    assert per_row == sorted(per_row, reverse=True)
+    assert per_row[0] > per_row[-1]
+    assert all(a - b <= 2 for a, b in zip(per_row, per_row[1:]))  # no cliff
+
+
+def test_sync_drafting_too_expensive_gives_zero():
+    cost = TargetCost(0.050, 0.002)
+    plan = plan_sync([0.9], [4], [1], cost, per_call(100.0), base_tokens=1, base_extra=0)
+    assert plan.rows == () and plan.depth == 0
+    # a cheap draft is worth waiting for
+    plan = plan_sync([0.9], [4], [1], cost, per_call(2.0), base_tokens=1, base_extra=0)
+    assert plan.rows == (0,) and plan.depth == 4
+
+
+def test_sync_drafting_takes_the_likeliest_requests_and_counts_catch_up():
+    cost = TargetCost(0.100, 0.003)
+    d = per_call(10.0, 6.0)
+    plan = plan_sync([0.3, 0.95, 0.9], [4] * 3, [1] * 3, cost, d, base_tokens=3, base_extra=0)
+    assert set(plan.rows) <= {1, 2} and 1 in plan.rows
+    # the same request with a long prompt still to evaluate: waiting for it does not pay
+    plan = plan_sync([0.95], [4], [300], cost, d, base_tokens=1, base_extra=0)
+    assert plan.depth == 0
+
+
+def test_predraft_fits_the_target_step_and_favours_likely_hits():
+    d = per_call(10.0, 5.0)
+    depths = plan_predraft([0.9], [0.8], [8], [1], 0.050, d, min_gain=0.01)
+    assert depths == [4]  # catch-up + 4 calls of 10 ms = 50 ms
+    assert predraft_time(depths, [1], d) <= 0.050
+    depths = plan_predraft([0.9, 0.9], [0.8, 0.1], [4, 4], [1, 1], 0.060, d, min_gain=0.01)
+    assert depths[0] > depths[1]
+    assert predraft_time(depths, [1, 1], d) <= 0.060
+    # a pre-draft that would never be served is not drafted
+    assert plan_predraft([0.9], [0.8], [4], [1], 1.0, d, min_gain=0.95) == [0]
+    # no time at all: nothing
+    assert plan_predraft([0.9], [0.8], [4], [1], 0.005, d, min_gain=0.0) == [0]
+
+
+def test_step_time_model_recovers_a_linear_cost():
+    m = StepTimeModel()
+    assert m.cost(1) is None
+    for i in range(40):
+        for batch, t0 in ((1, 0.050), (4, 0.090)):
+            extra = i % 5 * batch
+            m.observe(batch, extra, t0 + 0.004 * extra)
+    c1, c4 = m.cost(1), m.cost(4)
+    assert c1.t0 == pytest.approx(0.050, rel=1e-6) and c1.per_token == pytest.approx(0.004)
+    assert c4.t0 == pytest.approx(0.090, rel=1e-6)
+    # an unseen batch size: the nearest one's, plus about a token per extra request
+    assert 0.090 < m.cost(5).t0 < 0.1
+
+
+def test_step_time_model_before_the_slope_is_known_uses_its_prior():
+    m = StepTimeModel(prior_per_token=0.1)
+    for _ in range(5):
+        m.observe(1, 0, 0.050)
+    c = m.cost(1)
+    assert c.t0 == pytest.approx(0.050) and c.per_token == pytest.approx(0.005)
+
+
+def test_draft_time_model_interpolates_widths():
+    d = DraftTimeModel(prior_s=0.015)
+    assert d(2) == pytest.approx(0.030)  # prior, per token
+    d.observe(1, 0.010)
+    d.observe(4, 0.040)
+    assert d(1) == pytest.approx(0.010) and d(4) == pytest.approx(0.040)
+    assert d(2) == pytest.approx(0.020)
+    assert d(8) == pytest.approx(0.080)  # beyond: scaled per token of the widest
+    d.observe(100, 0.300)  # a prefill chunk, bucketed to 128
+    assert d(128) == pytest.approx(0.300 * 128 / 100)
+
+
+def test_acceptance_per_request_and_regime():
+    acc = Acceptance(prior_weight=4)
+    assert regime(0.0) == "greedy" and regime(0.7) == "sampled"
+    for _ in range(20):
+        acc.observe("a", "greedy", 4, 4)  # always fully accepted
+        acc.observe("b", "sampled", 0, 4)  # always rejected at once
+    assert acc.alpha("a", "greedy") > 0.9
+    assert acc.alpha("b", "sampled") < 0.2
+    # a new request starts from its regime's acceptance
+    assert acc.alpha("c", "greedy") > 0.8 and acc.alpha("c", "sampled") < 0.3
+    acc.forget("a")
+    assert acc.alpha("a", "greedy") == acc.alpha("c", "greedy")

@@ -1,0 +1,115 @@
+"""DuoProposer's step logic with a fake draft worker: no model, no vLLM, no Ray."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from duo_vllm import proposer as proposer_mod
+from duo_vllm.config import DuoConfig
+from duo_vllm.proposer import DuoProposer, valid_prefix
+
+
+class FakeWorker:
+    def __init__(self, drafts=None):
+        self.calls = []
+        self.drafts = drafts
+
+    def propose(self, contexts, budgets, step_s, temps=None, per_token_s=None):
+        self.calls.append(dict(contexts=[list(c) for c in contexts], budgets=budgets,
+                               step_s=step_s, temps=temps, per_token_s=per_token_s))
+        return self.drafts or [[1, 2, 3, 4] for _ in contexts]
+
+    def stats(self):
+        return {}
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+    def monotonic(self):
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = Clock()
+    monkeypatch.setattr(proposer_mod, "time", c)
+    return c
+
+
+def bare(worker, vocab=50, k=4):
+    p = object.__new__(DuoProposer)
+    p.config = DuoConfig(use_actor=False)
+    p.k, p.max_model_len, p.target_vocab_size = k, 100, vocab
+    p._client, p._worker = None, worker
+    p._init_step_state()
+    return p
+
+
+def inputs(contexts, width=32):
+    ids = np.zeros((len(contexts), width), dtype=np.int32)
+    for i, c in enumerate(contexts):
+        ids[i, :len(c)] = c
+    return [[c[-1]] if c else [] for c in contexts], np.array([len(c) for c in contexts]), ids
+
+
+def test_temperatures_come_from_the_runners_input_batch(clock):
+    w = FakeWorker()
+    p = bare(w)
+    runner = SimpleNamespace(input_batch=SimpleNamespace(
+        temperature_cpu=np.array([0.0, 0.7, 1.0], dtype=np.float32)))
+    p.attach_runner(runner)
+    sampled, n, ids = inputs([[1, 2], [], [3, 4, 5]])
+    p.propose(sampled, n, ids)
+    assert w.calls[0]["temps"] == [0.0, pytest.approx(1.0)]  # rows 0 and 2 (row 1 prefills)
+
+
+def test_step_time_is_measured_per_batch_and_drafted_tokens(clock):
+    w = FakeWorker()
+    p = bare(w)
+    sampled, n, ids = inputs([[1, 2]])
+    for i in range(30):
+        w.drafts = [[1, 2, 3, 4]] if i % 2 else [[]]  # the drafts handed to vLLM vary
+        p.propose(sampled, n, ids)
+        clock.now += 0.050 + 0.005 * len(w.drafts[0])  # the step that verifies them
+    cost = p.step_time.cost(1)
+    assert cost.t0 == pytest.approx(0.050, abs=1e-3)
+    assert cost.per_token == pytest.approx(0.005, abs=2e-4)
+    # the worker is handed T₀(B) and c of the batch
+    assert w.calls[-1]["step_s"] == pytest.approx(cost.t0, rel=0.05)
+    assert w.calls[-1]["per_token_s"] == pytest.approx(cost.per_token, rel=0.05)
+
+
+def test_prefill_steps_are_not_samples_of_the_step_time(clock):
+    p = bare(FakeWorker())
+    sampled, n, ids = inputs([[1, 2]])
+    p.propose(sampled, n, ids)
+    clock.now += 0.05
+    p.propose(sampled, n, ids)
+    clock.now += 5.0  # a step that also prefilled a new prompt
+    p.on_new_requests([])
+    p.propose(sampled, n, ids)
+    assert p.step_time.predict(1, 4) < 0.1
+
+
+def test_propose_never_raises_and_counts_the_failure(clock, caplog):
+    p = bare(FakeWorker())
+    sampled, n, _ = inputs([[1, 2]])
+    assert p.propose(sampled, n, None) == [[]]  # a broken token table
+    assert p._errors == 1 and "propose() failed" in caplog.text
+    sampled, n, ids = inputs([[1, 2]])
+    assert p.propose(sampled, n, torch.from_numpy(ids)) == [[1, 2, 3, 4]]  # a tensor is fine
+
+
+def test_a_draft_is_cut_at_its_first_invalid_token(clock):
+    p = bare(FakeWorker(drafts=[[1, 2, 99, 3]]), vocab=50)
+    sampled, n, ids = inputs([[1, 2]])
+    assert p.propose(sampled, n, ids) == [[1, 2]]
+    assert valid_prefix([5, -1, 6], 50) == [5]
+    assert valid_prefix([], 50) == []
