@@ -70,11 +70,13 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         return after
     d = {k: after.get(k, 0) - before.get(k, 0) for k in
          ("requests", "predraft_hits", "predraft_lookups", "steps", "returned_tokens",
-          "floor_steps", "no_slot", "probes")}
+          "floor_steps", "no_slot", "probes", "gate_plain_steps")}
     lengths = {int(n): c - before.get("chosen_lengths", {}).get(n, 0)
                for n, c in after.get("chosen_lengths", {}).items()}
     return {
         "floor_fraction": d["floor_steps"] / d["steps"] if d["steps"] else 0.0,
+        "gate_plain_steps": d["gate_plain_steps"],
+        "gate_tokens_per_s": after.get("gate_tokens_per_s"),
         "no_slot": d["no_slot"], "probes": d["probes"],
         "chosen_lengths": {n: c for n, c in sorted(lengths.items()) if c},
         "draft_call_ms_by_width": after.get("draft_call_ms_by_width"),
@@ -291,7 +293,8 @@ def summarise(results: dict) -> dict:
                 entry["controller"] = {k: s["duo"].get(k) for k in (
                     "floor_fraction", "chosen_lengths", "no_slot", "probes",
                     "draft_call_ms_by_width", "verify_token_ms", "target_step_ms_by_batch",
-                    "acceptance", "propose_wait_ms", "lock_wait_ms")}
+                    "acceptance", "propose_wait_ms", "lock_wait_ms", "gate_plain_steps",
+                    "gate_tokens_per_s")}
             if s["temperature"] == 0.0 and key in ref_shapes:
                 mine = [x["token_ids"] for x in rows if x["repeat"] == 0]
                 theirs = [x["token_ids"] for x in ref_shapes[key]["rows"] if x["repeat"] == 0]
@@ -311,6 +314,10 @@ def summarise(results: dict) -> dict:
                         e.setdefault("by_task_vs", {})[base] = {
                             t: v / methods[base]["by_task"][t] for t, v in e["by_task"].items()}
     return summary
+
+
+def _rates(rates: dict | None) -> str:
+    return "{" + ", ".join(f"{k}: {v:.0f}" for k, v in (rates or {}).items()) + "}"
 
 
 def _f(x, fmt="{:.2f}"):
@@ -358,7 +365,9 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
             steps = ", ".join(f"B={b}: {ms:.0f}" for b, ms in
                               (c.get("target_step_ms_by_batch") or {}).items())
             lines.append(f"- {name} controller: draft lengths served {c['chosen_lengths']}, "
-                         f"plain-decoding steps {_f(c['floor_fraction'], '{:.0%}')}, "
+                         f"steps the plan left plain {_f(c['floor_fraction'], '{:.0%}')}, "
+                         f"steps the gate left plain {c.get('gate_plain_steps')} (measured "
+                         f"tokens/s by batch bucket {_rates(c.get('gate_tokens_per_s'))}), "
                          f"rows without a slot {c['no_slot']}, probes {c['probes']}; "
                          f"measured: draft call ms by width {{{widths}}}, target step ms "
                          f"{{{steps}}}, verify {_f(c.get('verify_token_ms'), '{:.1f}')} ms/token, "

@@ -57,7 +57,7 @@ class DraftWorker:
             # one n_ctx per request, plus room for the branches' own tokens
             n_ctx = config.max_sequences * (config.n_ctx + policy.max_branches * (k + 2))
             backend = LlamaCppBackend(self.draft_file, n_ctx=n_ctx, n_seq=n_seq,
-                                      n_threads=n_threads)
+                                      n_threads=n_threads, n_gpu_layers=config.draft_gpu_layers)
         else:
             backend = backend_factory(config)
         self.backend = backend
@@ -233,9 +233,19 @@ def get_or_create_actor(config: DuoConfig, model_path: str, cores: list[int] | N
     import ray
 
     actor_cls = ray.remote(num_cpus=0, max_concurrency=1)(DraftWorker)
-    return actor_cls.options(
-        name=config.actor_name,
-        namespace=config.namespace,
-        get_if_exists=True,
-        resources=dict(config.resources or {}),
-    ).remote(config.to_dict(), model_path, cores, k)
+    return actor_cls.options(**actor_options(config)).remote(config.to_dict(), model_path,
+                                                             cores, k)
+
+
+# what hides every GPU from a process, for the CUDA, ROCm and Vulkan builds of llama.cpp
+NO_GPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "",
+              "ROCR_VISIBLE_DEVICES": "", "GGML_VK_VISIBLE_DEVICES": ""}
+
+
+def actor_options(config: DuoConfig) -> dict:
+    """Ray options of the draft actor: its name, placement, and no GPU unless asked for."""
+    opts = dict(name=config.actor_name, namespace=config.namespace, get_if_exists=True,
+                resources=dict(config.resources or {}))
+    if config.draft_gpu_layers == 0:  # Ray no longer hides GPUs from actors that ask for none
+        opts["runtime_env"] = {"env_vars": dict(NO_GPU_ENV)}
+    return opts

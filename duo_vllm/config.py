@@ -71,6 +71,10 @@ class DuoConfig:
             so both sides finish together; an integer N drafts N tokens per
             request per step (clamped by ``num_speculative_tokens``).
         max_branches: Most branches per request (the θ rule picks up to this).
+        draft_gpu_layers: Layers of the draft llama.cpp may offload to a GPU.
+            0 (the default) keeps the draft on the CPU and hides the GPUs from
+            the draft actor, whatever llama.cpp build is installed: a GPU build
+            would otherwise take GPU memory before vLLM measures it. -1: all.
     """
 
     draft_model: str | None = None
@@ -91,6 +95,7 @@ class DuoConfig:
     multi_sequence: bool = True
     budget: str | int = "auto"
     max_branches: int = 4
+    draft_gpu_layers: int = 0
 
     def __post_init__(self) -> None:
         cores = self.draft_cores
@@ -125,6 +130,10 @@ class DuoConfig:
         if not isinstance(self.max_branches, int) or not 1 <= self.max_branches <= 8:
             raise DuoConfigError(f"max_branches must be an integer from 1 to 8, "
                                  f"got {self.max_branches!r}")
+        g = self.draft_gpu_layers
+        if isinstance(g, bool) or not isinstance(g, int) or g < -1:
+            raise DuoConfigError(f"draft_gpu_layers must be an integer >= -1 (0: CPU only, "
+                                 f"-1: all layers on a GPU), got {g!r}")
         t = self.propose_timeout_s
         if t != "auto" and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
             raise DuoConfigError(f'propose_timeout_s must be "auto" or a number of seconds > 0, '

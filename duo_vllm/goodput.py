@@ -303,3 +303,74 @@ class Acceptance:
 
     def forget(self, key) -> None:
         self._requests.pop(key, None)
+
+
+class DraftGate:
+    """Is drafting faster than plain decoding at this batch size? Measured, not modelled.
+
+    The controller's plan rests on a model (T, D, α); this gate checks its
+    outcome. Per batch-size bucket (1, 2-3, 4-7, ...) it keeps the realised
+    goodput, tokens produced per second of wall time, with drafting on and
+    off, and drafts only while on is the faster of the two. Each mode runs
+    ``trial_steps`` before it is judged (the first ``warmup_steps`` after
+    turning drafting on are not counted: the draft catches up), and the
+    slower mode is tried again every ``retry_every`` steps of the bucket, so
+    the gate follows the traffic and the hardware.
+    """
+
+    def __init__(self, trial_steps: int = 32, warmup_steps: int = 8, retry_every: int = 256,
+                 margin: float = 0.02, weight: float = 0.1):
+        self.trial_steps, self.warmup_steps = trial_steps, warmup_steps
+        self.retry_every, self.margin, self.weight = retry_every, margin, weight
+        self._rate: dict[tuple[int, bool], float] = {}  # (bucket, on) -> tokens/s (EMA)
+        self._seen_at: dict[tuple[int, bool], int] = {}  # (bucket, on) -> step of last sample
+        self._mode: dict[int, bool] = {}  # bucket -> drafting on?
+        self._run: dict[int, int] = {}  # bucket -> steps in the current mode
+        self._clock: dict[int, int] = {}  # bucket -> steps seen
+        self.plain_steps = 0  # steps the gate left to plain decoding
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return max(1, batch).bit_length() - 1
+
+    def drafting(self, batch: int) -> bool:
+        """The mode for a step of ``batch`` requests (and the bookkeeping of the trials)."""
+        b = self.bucket(batch)
+        self._clock[b] = self._clock.get(b, 0) + 1
+        on = self._mode.setdefault(b, True)
+        run = self._run[b] = self._run.get(b, 0) + 1
+        if run > self.trial_steps + (self.warmup_steps if on else 0):
+            other = (b, not on)
+            stale = self._clock[b] - self._seen_at.get(other, -10 ** 9) > self.retry_every
+            if other not in self._rate or stale:
+                on = not on  # try the other mode (again)
+            else:
+                on = self.faster_on(b)
+            if on != self._mode[b]:
+                self._mode[b], self._run[b] = on, 0
+        if not on:
+            self.plain_steps += 1
+        return on
+
+    def faster_on(self, b: int) -> bool:
+        r_on, r_off = self._rate.get((b, True)), self._rate.get((b, False))
+        if r_on is None or r_off is None:
+            return r_on is not None or r_off is None
+        return r_on > r_off * (1 + self.margin) if not self._mode[b] else \
+            r_on * (1 + self.margin) > r_off
+
+    def observe(self, batch: int, on: bool, tokens: int, seconds: float) -> None:
+        """A step of ``batch`` requests in mode ``on`` produced ``tokens`` in ``seconds``."""
+        if seconds <= 0:
+            return
+        b = self.bucket(batch)
+        if on and self._mode.get(b) and self._run.get(b, 0) <= self.warmup_steps:
+            return  # the draft is catching up: not yet what drafting gives
+        key = (b, on)
+        rate = tokens / seconds
+        old = self._rate.get(key)
+        self._rate[key] = rate if old is None else old + self.weight * (rate - old)
+        self._seen_at[key] = self._clock.get(b, 0)
+
+    def rates(self) -> dict[str, float]:
+        return {f"{1 << b}+{'on' if on else 'off'}": r for (b, on), r in sorted(self._rate.items())}

@@ -19,7 +19,7 @@ import numpy as np
 from .actor import DraftWorker, get_or_create_actor
 from .client import ActorClient
 from .config import DuoConfig, DuoConfigError, allowed_cpus, resolve_draft_cores
-from .goodput import StepTimeModel
+from .goodput import DraftGate, StepTimeModel
 from .models import ModelNotFoundError, default_draft_gguf
 from .vllm_patches import fix_cpu_expand_kernel, install_new_request_hook
 from .vocab import check_vocab, target_token_texts
@@ -154,6 +154,10 @@ class DuoProposer:
         self._calls, self._wait_s = 0, 0.0  # time vLLM's loop spent waiting for drafts
         self._stats_ref, self._stats_logged_at = None, time.monotonic()
         self._prefetch = False
+        self.gate = DraftGate()  # drafting on only while it is measured to be faster
+        self._on = True  # the gate's choice for the step under way
+        self._started_at: float | None = None  # when the last propose() was called
+        self._counts: dict = {}  # request id -> its tokens at the last propose()
 
     @staticmethod
     def _draft_cores(cfg: DuoConfig) -> list[int] | None:
@@ -212,9 +216,14 @@ class DuoProposer:
             rows.append(i)
             contexts.append(token_ids[i, :n].copy())
             budgets.append(k)
-        self._observe_target_step(skip=partial)
+        self._observe_step(rows, num_tokens_no_spec, skip=partial)
         if not rows:
             self._returned_at = None
+            return drafts
+        if self._runner is not None:  # the gate needs request ids to count tokens
+            self._on = self.gate.drafting(len(rows))
+        if not self._on:  # plain decoding is faster at this batch size: no draft work at all
+            self._last_step, self._returned_at = (len(rows), 0), time.perf_counter()
             return drafts
         cost = self.step_time.cost(len(rows))
         step_s, per_token_s = (None, None) if cost is None else (cost.t0, cost.per_token)
@@ -253,7 +262,7 @@ class DuoProposer:
         forward pass; hands the prompts to the draft side without waiting.
         """
         self._new_requests = True
-        if not self._prefetch or self._failed:
+        if not self._prefetch or self._failed or not self._on:
             return
         prompts = [np.asarray(r.prompt_token_ids, dtype=np.int32) for r in new_reqs
                    if getattr(r, "prompt_token_ids", None)]
@@ -277,21 +286,38 @@ class DuoProposer:
                            "decoding (output is unaffected, only slower)", type(e).__name__, e)
             return None
 
-    def _observe_target_step(self, skip: bool = False) -> None:
-        """Time vLLM spent since the last propose() returned: its verify step, T(B, e).
+    def _observe_step(self, rows, num_tokens_no_spec, skip: bool = False) -> None:
+        """The step that just ran: a sample of T(B, e), and of the goodput of its mode.
 
-        Steps that also prefilled (new prompts, partial chunks) are not samples
-        of T, nor are gaps far longer than predicted (idle time).
+        Its time is from the last propose()'s return (the target's step, for
+        T) or call (with the wait for drafts, for the gate). Steps that also
+        prefilled (new prompts, partial chunks) are no samples, nor are gaps
+        far longer than predicted (idle time).
         """
         now = time.perf_counter()
         new, self._new_requests = self._new_requests, False
+        produced = self._produced(rows, num_tokens_no_spec)
+        started, self._started_at = self._started_at, now
         if self._returned_at is None or skip or new:
             return
         batch, extra = self._last_step
         sample = now - self._returned_at
         predicted = self.step_time.predict(batch, extra)
-        if predicted is None or sample < 3 * predicted:
-            self.step_time.observe(batch, extra, sample)
+        if predicted is not None and sample > 3 * predicted:
+            return
+        self.step_time.observe(batch, extra, sample)
+        if produced is not None and started is not None:
+            self.gate.observe(batch, self._on, produced, now - started)
+
+    def _produced(self, rows, num_tokens_no_spec) -> int | None:
+        """Tokens the requests of the last step gained in it (from vLLM's input batch)."""
+        ids = getattr(getattr(self._runner, "input_batch", None), "req_ids", None)
+        if ids is None:
+            return None
+        counts = {ids[i]: int(num_tokens_no_spec[i]) for i in rows if i < len(ids)}
+        produced = sum(n - self._counts[r] for r, n in counts.items() if r in self._counts)
+        self._counts = counts
+        return produced
 
     def _local_stats(self) -> dict:
         c = self._client
@@ -302,6 +328,8 @@ class DuoProposer:
             "propose_calls": self._calls,
             "propose_wait_ms": 1e3 * self._wait_s / self._calls if self._calls else 0.0,
             "propose_errors": self._errors,
+            "gate_plain_steps": self.gate.plain_steps,
+            "gate_tokens_per_s": self.gate.rates(),
             "target_step_ms_by_batch": {
                 b: 1e3 * self.step_time.cost(b).t0 for b in sorted(self.step_time._sums)},
         }

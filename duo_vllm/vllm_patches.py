@@ -60,13 +60,16 @@ def fix_cpu_expand_kernel() -> bool:
     """Route vLLM-CPU's ``expand_kernel`` override to :func:`expand_kernel_impl`.
 
     Returns True if the broken implementation was found and replaced. A vLLM
-    that does not override the kernel (GPU, or CPU with Triton), or already
-    routes it elsewhere, is left alone.
+    that is not on the CPU platform, does not override the kernel (CPU with
+    Triton), or already routes it elsewhere, is left alone.
     """
     try:
+        from vllm.platforms import current_platform
         from vllm.triton_utils import dispatcher
         from vllm.utils import cpu_triton_utils
     except ImportError:
+        return False
+    if not current_platform.is_cpu():  # GPU vLLM runs the real Triton kernel
         return False
     entry = dispatcher._registry.get(EXPAND_KERNEL)
     if entry is None or entry[1] is not cpu_triton_utils._expand_kernel_impl:

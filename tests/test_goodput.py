@@ -3,7 +3,8 @@
 import pytest
 
 from duo_vllm.goodput import (
-    Acceptance, DraftTimeModel, StepTimeModel, TargetCost, expected_accepted, plan_predraft,
+    Acceptance, DraftGate, DraftTimeModel, StepTimeModel, TargetCost, expected_accepted,
+    plan_predraft,
     plan_served, plan_sync, predraft_time, regime,
 )
 
@@ -143,3 +144,40 @@ def test_acceptance_per_request_and_regime():
     assert acc.alpha("c", "greedy") > 0.8 and acc.alpha("c", "sampled") < 0.3
     acc.forget("a")
     assert acc.alpha("a", "greedy") == acc.alpha("c", "greedy")
+
+
+def run_gate(gate, batch, rate_on, rate_off, steps):
+    """Drive the gate as the proposer does; return the modes it chose."""
+    modes = []
+    for _ in range(steps):
+        on = gate.drafting(batch)
+        modes.append(on)
+        gate.observe(batch, on, tokens=batch, seconds=batch / (rate_on if on else rate_off))
+    return modes
+
+
+def test_gate_turns_drafting_off_where_plain_decoding_is_faster_and_retries_it():
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    modes = run_gate(gate, 16, rate_on=80.0, rate_off=100.0, steps=400)
+    assert modes[:12] == [True] * 12  # drafting is tried first (with its warm-up)
+    tail = modes[50:]
+    assert sum(tail) / len(tail) < 0.15  # mostly plain decoding ...
+    assert any(tail)  # ... with drafting tried again now and then
+    assert gate.plain_steps == modes.count(False)
+
+
+def test_gate_keeps_drafting_where_it_pays_and_batch_sizes_are_judged_apart():
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    modes = run_gate(gate, 1, rate_on=40.0, rate_off=20.0, steps=400)
+    assert sum(modes[50:]) / len(modes[50:]) > 0.85
+    modes16 = run_gate(gate, 16, rate_on=80.0, rate_off=100.0, steps=200)
+    assert sum(modes16[50:]) / len(modes16[50:]) < 0.2
+    assert gate.drafting(1)  # batch 1 still drafts
+    assert DraftGate.bucket(1) != DraftGate.bucket(2) == DraftGate.bucket(3) != DraftGate.bucket(4)
+
+
+def test_gate_follows_a_change():
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=50)
+    run_gate(gate, 4, rate_on=50.0, rate_off=100.0, steps=200)
+    modes = run_gate(gate, 4, rate_on=200.0, rate_off=100.0, steps=300)  # drafting got better
+    assert sum(modes[-100:]) / 100 > 0.7  # on, but for the trials of plain decoding

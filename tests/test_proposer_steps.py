@@ -113,3 +113,31 @@ def test_a_draft_is_cut_at_its_first_invalid_token(clock):
     assert p.propose(sampled, n, ids) == [[1, 2]]
     assert valid_prefix([5, -1, 6], 50) == [5]
     assert valid_prefix([], 50) == []
+
+
+def test_gate_off_means_no_call_to_the_draft_side(clock):
+    w = FakeWorker()
+    p = bare(w)
+    ids_batch = SimpleNamespace(temperature_cpu=np.zeros(2, dtype=np.float32), req_ids=["a", "b"])
+    p.attach_runner(SimpleNamespace(input_batch=ids_batch))
+    p.gate.drafting = lambda batch: False  # plain decoding measured faster
+    sampled, n, ids = inputs([[1, 2], [3, 4]])
+    assert p.propose(sampled, n, ids) == [[], []]
+    assert w.calls == []
+    p.on_new_requests([SimpleNamespace(prompt_token_ids=[1, 2, 3])])  # no prefill either
+
+
+def test_the_gate_sees_the_tokens_each_step_produced(clock):
+    w = FakeWorker(drafts=[[]])
+    p = bare(w)
+    batch = SimpleNamespace(temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])
+    p.attach_runner(SimpleNamespace(input_batch=batch))
+    seen = []
+    p.gate.observe = lambda b, on, tokens, seconds: seen.append((b, on, tokens, seconds))
+    ctx = [1, 2]
+    for _ in range(3):
+        sampled, n, ids = inputs([ctx])
+        p.propose(sampled, n, ids)
+        clock.now += 0.1
+        ctx = ctx + [7, 7, 7]  # three tokens per step (two accepted + one sampled)
+    assert seen == [(1, True, 3, pytest.approx(0.1))] * 2

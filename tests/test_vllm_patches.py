@@ -47,6 +47,22 @@ def test_vllm_cpu_expand_drops_its_output_and_the_fix_is_installed():
     assert not fix_cpu_expand_kernel()  # idempotent
 
 
+def test_expand_fix_applies_on_the_cpu_platform_only(monkeypatch):
+    cpu_tl = pytest.importorskip("vllm.utils.cpu_triton_utils")
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import dispatcher
+
+    from duo_vllm.vllm_patches import EXPAND_KERNEL, fix_cpu_expand_kernel
+
+    entry = dispatcher._registry.get(EXPAND_KERNEL) or (None, None)
+    # the broken CPU override in place, on a platform that says it is not the CPU (a GPU)
+    monkeypatch.setitem(dispatcher._registry, EXPAND_KERNEL,
+                        (entry[0], cpu_tl._expand_kernel_impl))
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    assert not fix_cpu_expand_kernel()
+    assert dispatcher._registry[EXPAND_KERNEL][1] is cpu_tl._expand_kernel_impl
+
+
 def test_new_request_hook_tells_the_drafter_before_the_step_and_never_breaks_it(caplog):
     from types import SimpleNamespace
 

@@ -85,7 +85,7 @@ class LlamaCppBackend:
     """A llama.cpp model and context for up to ``n_seq`` sequences, ``n_ctx`` cells in all."""
 
     def __init__(self, model_path: str, n_ctx: int, n_seq: int, n_threads: int,
-                 n_batch: int = 512):
+                 n_batch: int = 512, n_gpu_layers: int = 0):
         import llama_cpp  # imported here: the package must be importable without it
 
         if not os.path.isfile(model_path):
@@ -98,6 +98,9 @@ class LlamaCppBackend:
         llama_cpp.llama_backend_init()
 
         mparams = llama_cpp.llama_model_default_params()
+        # a GPU build of llama.cpp offloads every layer by default: the draft stays on the
+        # CPU unless asked (-1: all layers)
+        mparams.n_gpu_layers = 2 ** 31 - 1 if n_gpu_layers < 0 else n_gpu_layers
         self._model = llama_cpp.llama_model_load_from_file(model_path.encode(), mparams)
         if not self._model:
             raise ValueError(

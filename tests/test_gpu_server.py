@@ -1,0 +1,88 @@
+"""What a GPU server changes, checked here with fakes: the draft stays off the GPU."""
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from duo_vllm.actor import NO_GPU_ENV, actor_options
+from duo_vllm.config import DuoConfig, DuoConfigError
+
+
+class FakeLlamaCpp:
+    """Just enough of llama_cpp's C API for LlamaCppBackend.__init__; records the params."""
+
+    def __init__(self):
+        self.model_params = None
+
+    def llama_log_callback(self, fn):
+        return fn
+
+    def llama_log_set(self, *a):
+        pass
+
+    def llama_backend_init(self):
+        pass
+
+    def llama_model_default_params(self):
+        return SimpleNamespace(n_gpu_layers=999, vocab_only=False)  # a GPU build's default
+
+    def llama_model_load_from_file(self, path, params):
+        self.model_params = params
+        return object()
+
+    def llama_model_get_vocab(self, model):
+        return object()
+
+    def llama_vocab_n_tokens(self, vocab):
+        return 8
+
+    def llama_context_default_params(self):
+        return SimpleNamespace()
+
+    def llama_init_from_model(self, model, params):
+        return object()
+
+    def llama_get_memory(self, ctx):
+        return object()
+
+    def llama_batch_init(self, *a):
+        return object()
+
+    def llama_batch_free(self, *a):
+        pass
+
+    def llama_free(self, *a):
+        pass
+
+    def llama_model_free(self, *a):
+        pass
+
+
+@pytest.mark.parametrize("layers, want", [(0, 0), (5, 5), (-1, 2 ** 31 - 1)])
+def test_the_draft_is_not_offloaded_unless_asked(monkeypatch, tmp_path, layers, want):
+    import duo_vllm.backends.llama_cpp as backend_mod
+
+    fake = FakeLlamaCpp()
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    monkeypatch.setattr(backend_mod, "_install_log_filter", lambda lib: None)
+    model = tmp_path / "draft.gguf"
+    model.write_bytes(b"GGUF")
+    backend_mod.LlamaCppBackend(str(model), n_ctx=64, n_seq=1, n_threads=1,
+                                n_gpu_layers=layers)
+    assert fake.model_params.n_gpu_layers == want
+
+
+def test_the_actor_hides_the_gpus_unless_the_draft_may_use_them():
+    opts = actor_options(DuoConfig())
+    assert opts["runtime_env"]["env_vars"] == NO_GPU_ENV
+    assert opts["runtime_env"]["env_vars"]["CUDA_VISIBLE_DEVICES"] == ""
+    assert "runtime_env" not in actor_options(DuoConfig(draft_gpu_layers=-1))
+    assert opts["name"] == "duo_vllm_draft" and opts["get_if_exists"]
+
+
+def test_draft_gpu_layers_is_validated():
+    with pytest.raises(DuoConfigError, match="draft_gpu_layers"):
+        DuoConfig(draft_gpu_layers=-2)
+    with pytest.raises(DuoConfigError, match="draft_gpu_layers"):
+        DuoConfig(draft_gpu_layers=True)
