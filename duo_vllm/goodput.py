@@ -309,7 +309,8 @@ class DraftGate:
     """Is drafting faster than plain decoding at this batch size? Measured, not modelled.
 
     The controller's plan rests on a model (T, D, α); this gate checks its
-    outcome. Per batch-size bucket (1, 2-3, 4-7, ...) it keeps the realised
+    outcome. Per batch-size bucket (1, 2-3, 4-7, ...; steps where some
+    request samples apart from all-greedy ones) it keeps the realised
     goodput, tokens produced per second of wall time, with drafting on and
     off, and drafts only while on is the faster of the two. Each mode runs
     ``trial_steps`` before it is judged (the first ``warmup_steps`` after
@@ -322,26 +323,30 @@ class DraftGate:
                  margin: float = 0.02, weight: float = 0.1):
         self.trial_steps, self.warmup_steps = trial_steps, warmup_steps
         self.retry_every, self.margin, self.weight = retry_every, margin, weight
-        self._rate: dict[tuple[int, bool], float] = {}  # (bucket, on) -> tokens/s (EMA)
-        self._seen_at: dict[tuple[int, bool], int] = {}  # (bucket, on) -> step of last sample
-        self._mode: dict[int, bool] = {}  # bucket -> drafting on?
-        self._run: dict[int, int] = {}  # bucket -> steps in the current mode
-        self._clock: dict[int, int] = {}  # bucket -> steps seen
+        self._rate: dict = {}  # (bucket, on) -> tokens/s (EMA)
+        self._seen_at: dict = {}  # (bucket, on) -> the bucket's step of the last sample
+        self._mode: dict = {}  # bucket -> drafting on?
+        self._run: dict = {}  # bucket -> steps in the current mode
+        self._clock: dict = {}  # bucket -> steps seen
         self.plain_steps = 0  # steps the gate left to plain decoding
 
     @staticmethod
-    def bucket(batch: int) -> int:
-        return max(1, batch).bit_length() - 1
+    def bucket(batch: int, sampled: bool = False) -> tuple[int, bool]:
+        """Batch sizes 1, 2-3, 4-7, ...; all-greedy steps apart from those with sampling."""
+        return max(1, batch).bit_length() - 1, bool(sampled)
 
-    def drafting(self, batch: int) -> bool:
-        """The mode for a step of ``batch`` requests (and the bookkeeping of the trials)."""
-        b = self.bucket(batch)
+    def drafting(self, batch: int, sampled: bool = False) -> bool:
+        """The mode for a step of ``batch`` requests (and the bookkeeping of the trials).
+
+        ``sampled``: some request of the step samples (temperature > 0).
+        """
+        b = self.bucket(batch, sampled)
         self._clock[b] = self._clock.get(b, 0) + 1
         on = self._mode.setdefault(b, True)
         run = self._run[b] = self._run.get(b, 0) + 1
         if run > self.trial_steps + (self.warmup_steps if on else 0):
             other = (b, not on)
-            stale = self._clock[b] - self._seen_at.get(other, -10 ** 9) > self.retry_every
+            stale = self._clock[b] - self._seen_at.get(other, -10 ** 9) > self._retry(b)
             if other not in self._rate or stale:
                 on = not on  # try the other mode (again)
             else:
@@ -352,18 +357,26 @@ class DraftGate:
             self.plain_steps += 1
         return on
 
-    def faster_on(self, b: int) -> bool:
+    def _retry(self, b) -> int:
+        """Steps before the slower mode is tried again: 4x as many when it was far slower."""
+        r_on, r_off = self._rate.get((b, True)), self._rate.get((b, False))
+        if r_on and r_off and max(r_on, r_off) > 1.2 * min(r_on, r_off):
+            return 4 * self.retry_every
+        return self.retry_every
+
+    def faster_on(self, b) -> bool:
         r_on, r_off = self._rate.get((b, True)), self._rate.get((b, False))
         if r_on is None or r_off is None:
             return r_on is not None or r_off is None
         return r_on > r_off * (1 + self.margin) if not self._mode[b] else \
             r_on * (1 + self.margin) > r_off
 
-    def observe(self, batch: int, on: bool, tokens: int, seconds: float) -> None:
+    def observe(self, batch: int, on: bool, tokens: int, seconds: float,
+                sampled: bool = False) -> None:
         """A step of ``batch`` requests in mode ``on`` produced ``tokens`` in ``seconds``."""
         if seconds <= 0:
             return
-        b = self.bucket(batch)
+        b = self.bucket(batch, sampled)
         if on and self._mode.get(b) and self._run.get(b, 0) <= self.warmup_steps:
             return  # the draft is catching up: not yet what drafting gives
         key = (b, on)
@@ -373,4 +386,5 @@ class DraftGate:
         self._seen_at[key] = self._clock.get(b, 0)
 
     def rates(self) -> dict[str, float]:
-        return {f"{1 << b}+{'on' if on else 'off'}": r for (b, on), r in sorted(self._rate.items())}
+        return {f"{1 << b}{'s' if sampled else ''}+{'on' if on else 'off'}": r
+                for ((b, sampled), on), r in sorted(self._rate.items())}

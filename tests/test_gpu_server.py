@@ -86,3 +86,68 @@ def test_draft_gpu_layers_is_validated():
         DuoConfig(draft_gpu_layers=-2)
     with pytest.raises(DuoConfigError, match="draft_gpu_layers"):
         DuoConfig(draft_gpu_layers=True)
+
+
+def fake_groups(monkeypatch, tp_rank, last_pp=True):
+    import vllm.distributed.parallel_state as ps
+
+    monkeypatch.setattr(ps, "get_tp_group", lambda: SimpleNamespace(rank_in_group=tp_rank))
+    monkeypatch.setattr(ps, "get_pp_group", lambda: SimpleNamespace(is_last_rank=last_pp))
+
+
+def spec_config(dp_rank=0):
+    load = SimpleNamespace(model_loader_extra_config={"duo": {}})
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=4, draft_load_config=load),
+        model_config=SimpleNamespace(max_model_len=2048, get_vocab_size=lambda: 49152),
+        parallel_config=SimpleNamespace(data_parallel_rank=dp_rank))
+
+
+@pytest.mark.parametrize("tp_rank, last_pp", [(1, True), (3, True), (0, False)])
+def test_ranks_whose_drafts_vllm_drops_never_touch_ray(monkeypatch, tp_rank, last_pp):
+    pytest.importorskip("vllm")
+    import numpy as np
+
+    from duo_vllm import proposer as proposer_mod
+
+    fake_groups(monkeypatch, tp_rank, last_pp)
+
+    def no_ray(cfg):
+        raise AssertionError("a rank without drafts started Ray")
+    monkeypatch.setattr(proposer_mod, "_ensure_ray", no_ray)
+    p = proposer_mod.DuoProposer(spec_config())
+    assert p._client is None and p._worker is None
+    ids = np.zeros((2, 8), dtype=np.int32)
+    assert p.propose([[1], [2]], np.array([3, 3]), ids) == [[], []]
+    assert "actor_restarts" in p.stats()
+
+
+def test_the_output_rank_drafts_and_each_data_parallel_replica_has_its_own_actor(monkeypatch):
+    pytest.importorskip("vllm")
+    from duo_vllm.proposer import parallel_role
+
+    fake_groups(monkeypatch, 0)
+    assert parallel_role(spec_config()) == (True, 0)
+    assert parallel_role(spec_config(dp_rank=2)) == (True, 2)
+    fake_groups(monkeypatch, 1)
+    assert parallel_role(spec_config()) == (False, 0)
+
+
+def test_a_data_parallel_replica_names_its_actor(monkeypatch):
+    pytest.importorskip("vllm")
+    from duo_vllm import proposer as proposer_mod
+
+    fake_groups(monkeypatch, 0)
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(cfg):  # the first Ray call: the actor's name is settled by then
+        seen["name"] = cfg.actor_name
+        raise Stop
+    monkeypatch.setattr(proposer_mod, "_ensure_ray", capture)
+    monkeypatch.setattr(proposer_mod.DuoProposer, "_draft_cores", staticmethod(lambda cfg: [0]))
+    with pytest.raises(Stop):
+        proposer_mod.DuoProposer(spec_config(dp_rank=2))
+    assert seen["name"] == "duo_vllm_draft_dp2"

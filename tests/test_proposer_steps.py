@@ -120,7 +120,7 @@ def test_gate_off_means_no_call_to_the_draft_side(clock):
     p = bare(w)
     ids_batch = SimpleNamespace(temperature_cpu=np.zeros(2, dtype=np.float32), req_ids=["a", "b"])
     p.attach_runner(SimpleNamespace(input_batch=ids_batch))
-    p.gate.drafting = lambda batch: False  # plain decoding measured faster
+    p.gate.drafting = lambda batch, sampled: False  # plain decoding measured faster
     sampled, n, ids = inputs([[1, 2], [3, 4]])
     assert p.propose(sampled, n, ids) == [[], []]
     assert w.calls == []
@@ -133,7 +133,7 @@ def test_the_gate_sees_the_tokens_each_step_produced(clock):
     batch = SimpleNamespace(temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])
     p.attach_runner(SimpleNamespace(input_batch=batch))
     seen = []
-    p.gate.observe = lambda b, on, tokens, seconds: seen.append((b, on, tokens, seconds))
+    p.gate.observe = lambda b, on, tokens, seconds, sampled: seen.append((b, on, tokens, seconds))
     ctx = [1, 2]
     for _ in range(3):
         sampled, n, ids = inputs([ctx])
