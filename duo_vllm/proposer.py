@@ -166,6 +166,7 @@ class DuoProposer:
         self._prefetch = False
         self._passive = False  # a rank whose drafts vLLM does not use
         self.gate = DraftGate()  # drafting on only while it is measured to be faster
+        self._gated = self.config.budget == "auto"  # a fixed budget drafts every step
         self._on = True  # the gate's choice for the step under way
         self._sampled = False  # some request of the step under way samples
         self._started_at: float | None = None  # when the last propose() was called
@@ -234,7 +235,7 @@ class DuoProposer:
             return drafts
         temps = self._temperatures(rows)
         self._sampled = bool(temps) and max(temps) > 1e-5
-        if self._runner is not None:  # the gate needs request ids to count tokens
+        if self._runner is not None and self._gated:  # it needs request ids to count tokens
             self._on = self.gate.drafting(len(rows), self._sampled)
         if not self._on:  # plain decoding is faster at this batch size: no draft work at all
             self._last_step, self._returned_at = (len(rows), 0), time.perf_counter()
