@@ -71,6 +71,9 @@ class DuoConfig:
             so both sides finish together; an integer N drafts N tokens per
             request per step (clamped by ``num_speculative_tokens``).
         max_branches: Most branches per request (the θ rule picks up to this).
+        gate: With ``budget: "auto"``, measure the tokens per second vLLM
+            makes with drafting on and off, per batch size, and draft only
+            where on is faster (``False``: always draft as planned).
         draft_gpu_layers: Layers of the draft llama.cpp may offload to a GPU.
             0 (the default) keeps the draft on the CPU and hides the GPUs from
             the draft actor, whatever llama.cpp build is installed: a GPU build
@@ -96,6 +99,7 @@ class DuoConfig:
     budget: str | int = "auto"
     max_branches: int = 4
     draft_gpu_layers: int = 0
+    gate: bool = True
 
     def __post_init__(self) -> None:
         cores = self.draft_cores
@@ -118,7 +122,7 @@ class DuoConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise DuoConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("use_actor", "parallel", "multi_sequence"):
+        for name in ("use_actor", "parallel", "multi_sequence", "gate"):
             if not isinstance(getattr(self, name), bool):
                 raise DuoConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.budget != "auto" and (isinstance(self.budget, bool)

@@ -166,7 +166,8 @@ class DuoProposer:
         self._prefetch = False
         self._passive = False  # a rank whose drafts vLLM does not use
         self.gate = DraftGate()  # drafting on only while it is measured to be faster
-        self._gated = self.config.budget == "auto"  # a fixed budget drafts every step
+        # a fixed budget drafts every step
+        self._gated = self.config.budget == "auto" and self.config.gate
         self._on = True  # the gate's choice for the step under way
         self._sampled = False  # some request of the step under way samples
         self._started_at: float | None = None  # when the last propose() was called

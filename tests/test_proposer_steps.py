@@ -141,3 +141,16 @@ def test_the_gate_sees_the_tokens_each_step_produced(clock):
         clock.now += 0.1
         ctx = ctx + [7, 7, 7]  # three tokens per step (two accepted + one sampled)
     assert seen == [(1, True, 3, pytest.approx(0.1))] * 2
+
+
+def test_without_the_gate_or_with_a_fixed_budget_every_step_drafts(clock):
+    for cfg in (DuoConfig(use_actor=False, gate=False), DuoConfig(use_actor=False, budget=2)):
+        w = FakeWorker()
+        p = bare(w)
+        p.config = cfg
+        p._init_step_state()
+        p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
+            temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])))
+        p.gate.drafting = lambda batch, sampled: False
+        sampled, n, ids = inputs([[1, 2]])
+        assert p.propose(sampled, n, ids) == [[1, 2, 3, 4]]

@@ -30,7 +30,9 @@ ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 def servers(target_dir, session_tmp):
     plain = Server(target_dir, session_tmp / "serve_plain.log")
     duo = Server(target_dir, session_tmp / "serve_duo.log",
-                 spec=speculative_config(4, {"n_ctx": DRAFT_N_CTX}))
+                 # the fault tests need steps that call the actor: no gate (it could
+                 # leave a batch size to plain decoding just then; tests/test_goodput.py)
+                 spec=speculative_config(4, {"n_ctx": DRAFT_N_CTX, "gate": False}))
     try:
         plain.wait_ready()
         duo.wait_ready()
