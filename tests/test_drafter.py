@@ -410,3 +410,31 @@ def test_worker_prefetch_returns_at_once_and_the_first_step_hits():
     serial_worker = DraftWorker({"use_actor": False, "parallel": False}, "fake.gguf", None,
                                 k=3, backend_factory=lambda _: FakeBackend())
     assert serial_worker.prefetch([ctx(1, 2)]) == 0
+
+
+def test_a_long_prompt_in_the_background_never_blanks_the_other_rows():
+    import time
+
+    be, w = slow_worker(0.002, budget=2)  # 2 ms a token: 300 prompt tokens take 0.6 s
+    freeze_timings(w.drafter, token_s=0.002, prefill_s=0.002)
+    try:
+        short = ctx(1, 2, 3)
+        assert w.propose([short], [2], 0.2) == [be.chain(3, 2)]  # a request decoding
+        assert w.wait_idle(timeout=10)
+        long_prompt = ctx(*[(3 * i) % 50 for i in range(300)])
+        assert w.prefetch([long_prompt]) == 1  # a new request: prefilled in the background
+        time.sleep(0.05)
+        seq = np.concatenate([short, be.chain(3, 2)])
+        seq = np.append(seq, np.int32(be.next_token(int(seq[-1]))))
+        for _ in range(3):  # steps while the prompt is still being prefilled
+            grown = np.append(long_prompt, np.int32(be.next_token(int(long_prompt[-1]))))
+            drafts = w.propose([seq, grown], [2, 2], 0.2)
+            assert drafts[0] == be.chain(int(seq[-1]), 2)  # served, not blanked
+            seq = np.concatenate([seq, drafts[0]])
+            seq = np.append(seq, np.int32(be.next_token(int(seq[-1]))))
+            time.sleep(0.05)
+        assert w.drafter.stats.skipped_busy == 0
+        # the prefill went on in chunks sized to a fraction of the target step
+        assert max(len(t) for _, t, _ in be.evaluated) <= w.drafter.PREFILL_CHUNK
+    finally:
+        w.close()
