@@ -254,6 +254,13 @@ class DuoDrafter:
         catch_up = [r.catch_up if policy.predrafts else 1 for r in misses]
         plan = plan_sync([r.alpha for r in misses], [r.k for r in misses], catch_up, cost,
                          self.draft_time, base_tokens, sum(served))
+        if not plan.rows and not policy.predrafts:
+            # no pre-draft probes without a background thread: probe the quietest miss here
+            # (one token), so measured costs and acceptance replace the priors
+            quiet = max(misses, key=lambda r: self.quiet.get(r.slot.seq_id, 0))
+            if self.quiet.get(quiet.slot.seq_id, 0) >= PROBE_EVERY:
+                self.stats.probes += 1
+                return served, ([quiet], 1)
         return served, ([misses[i] for i in plan.rows], plan.depth)
 
     def prefetch(self, contexts: list[np.ndarray]) -> int:

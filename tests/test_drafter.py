@@ -438,3 +438,16 @@ def test_a_long_prompt_in_the_background_never_blanks_the_other_rows():
         assert max(len(t) for _, t, _ in be.evaluated) <= w.drafter.PREFILL_CHUNK
     finally:
         w.close()
+
+
+def test_serial_controller_probes_a_quiet_request_on_the_spot():
+    be, d = make(DraftPolicy(k=4, parallel=False, budget=None))
+    d.draft_time = FixedDraftTime(1.0)  # drafting looks hopeless: nothing is planned
+    seq = [1, 2]
+    drafts = []
+    for _ in range(PROBE_EVERY + 1):
+        (draft,) = d.propose([ctx(*seq)], [4], target_step_s=0.05, per_token_s=0.002)
+        drafts.append(draft)
+        seq.append(be.next_token(seq[-1]))
+    assert drafts[:PROBE_EVERY] == [[]] * PROBE_EVERY
+    assert len(drafts[-1]) == 1 and d.stats.probes == 1  # one token, to measure again
