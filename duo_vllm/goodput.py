@@ -217,6 +217,10 @@ class StepTimeModel:
         step = base.per_token if c is None else c
         return TargetCost(max(base.t0 + (batch - near) * step, 1e-4), base.per_token)
 
+    def batch_sizes(self) -> list[int]:
+        """The batch sizes seen so far."""
+        return sorted(self._sums)
+
     def predict(self, batch: int, extra: int) -> float | None:
         cost = self.cost(batch)
         return None if cost is None else cost.step(extra)

@@ -346,7 +346,7 @@ class DuoProposer:
             "gate_plain_steps": self.gate.plain_steps,
             "gate_tokens_per_s": self.gate.rates(),
             "target_step_ms_by_batch": {
-                b: 1e3 * self.step_time.cost(b).t0 for b in sorted(self.step_time._sums)},
+                b: 1e3 * self.step_time.cost(b).t0 for b in self.step_time.batch_sizes()},
         }
 
     def stats(self) -> dict:
