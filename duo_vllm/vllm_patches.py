@@ -21,11 +21,12 @@ implementation of the kernel's contract.
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 
-logger = logging.getLogger(__name__)
+from .logs import vllm_logger
+
+logger = vllm_logger(__name__)
 
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 
@@ -76,9 +77,9 @@ def fix_cpu_expand_kernel() -> bool:
         return False
     if not route_expand_kernel(expand_kernel_impl):
         return False
-    logger.warning("duo_vllm: replaced vLLM-CPU's expand_kernel, which drops its output "
-                   "(per-token temperature/top-k/top-p of the rejection sampler); see "
-                   "patches/README.md")
+    logger.info("duo_vllm: replaced vLLM-CPU's expand_kernel, which drops its output "
+                "(per-token temperature/top-k/top-p of the rejection sampler); see "
+                "patches/README.md")
     return True
 
 

@@ -451,3 +451,25 @@ def test_serial_controller_probes_a_quiet_request_on_the_spot():
         seq.append(be.next_token(seq[-1]))
     assert drafts[:PROBE_EVERY] == [[]] * PROBE_EVERY
     assert len(drafts[-1]) == 1 and d.stats.probes == 1  # one token, to measure again
+
+
+def test_stats_do_not_wait_out_a_background_prefill():
+    """Ray queues the next step's propose() behind a stats call: stats must not hold
+    it for a whole background prefill (that read as a stalled actor), nor stop it."""
+    import time
+
+    be, w = slow_worker(0.01)
+    freeze_timings(w.drafter, token_s=0.01, prefill_s=0.01)
+    try:
+        prompt = ctx(*[(3 * i) % 50 for i in range(200)])  # 2 s of prefill
+        assert w.prefetch([prompt]) == 1
+        time.sleep(0.1)  # under way
+        t0 = time.perf_counter()
+        assert w.stats()["prefetched_prompts"] == 1
+        assert time.perf_counter() - t0 < 0.5
+        assert w.wait_idle(timeout=10)  # the prefill went on
+        b = be.next_token(int(prompt[-1]))
+        (draft,) = w.propose([np.append(prompt, np.int32(b))], [3], 0.05)
+        assert draft == be.chain(b, 3)
+    finally:
+        w.close()

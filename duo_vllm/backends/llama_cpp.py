@@ -28,7 +28,13 @@ def _install_log_filter(llama_cpp) -> None:
     def _callback(level, text, _user_data):
         # ggml_log_level: 0 none, 1 debug, 2 info, 3 warn, 4 error, 5 cont
         if level in (3, 4):
-            logger.warning("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
+            message = text.decode("utf-8", "replace").rstrip()
+            if "n_ctx_seq" in message and "n_ctx_train" in message:
+                # With the unified KV cache every sequence may address all cells, so
+                # llama.cpp compares the whole cache with the training context. Each
+                # request is kept to n_ctx; DraftWorker checks that against n_ctx_train.
+                return
+            logger.warning("llama.cpp: %s", message)
 
     _LOG_CALLBACK = _callback
     llama_cpp.llama_log_set(_callback, ctypes.c_void_p(0))
@@ -109,6 +115,7 @@ class LlamaCppBackend:
             )
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        self.n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(self._model))
 
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx
