@@ -374,6 +374,8 @@ class DuoProposer:
             except Exception:
                 return
         self._stats_logged_at = time.monotonic()
+        from .metrics import publish  # duo:* metrics on vLLM's /metrics (see duo_vllm/metrics.py)
+        publish(s)
         logger.info(
             "DuoProposer: pre-draft hit rate %.1f%%, branch hit rate %.1f%%, branches %s, "
             "%.2f draft tokens/step, actor busy %.0f%%, draft %.1f ms/token, target step "

@@ -1,0 +1,129 @@
+"""DuoProposer's draft statistics as Prometheus metrics (``duo:`` prefix) on vLLM's ``/metrics``.
+
+Route: prometheus_client's multiprocess mode, which vLLM itself supports.
+The proposer runs in vLLM's engine-core process, while ``/metrics`` is
+served by the API server process. When ``PROMETHEUS_MULTIPROC_DIR`` is set
+before both start, every prometheus_client metric, ours included, is
+written to memory-mapped files in that directory, and vLLM's ``/metrics``
+(``vllm.v1.metrics.prometheus.get_prometheus_registry``) reads them all back
+through a ``MultiProcessCollector``. ``duo-vllm serve`` sets the variable to
+a fresh directory unless the user has; a bare ``vllm serve`` /
+``python -m vllm.entrypoints.openai.api_server`` needs it exported by hand
+(vLLM sets it on its own only with ``--api-server-count`` > 1). No HTTP
+server of ours, nothing in Ray's metrics (DuoProposer's private Ray runs no
+metrics agent), and without the variable publishing still works: the values
+sit in the engine process's default registry.
+
+What is exported is :meth:`DuoProposer.stats` as it is logged (every 10 s
+of drafting, from ``_maybe_log_stats``): every numeric key, so keys added
+later appear without a change here. An ``int`` is a cumulative count, a
+counter ``duo:<key>_total`` (a drop, as when a restarted draft actor starts
+from zero, counts as a reset); a ``float`` is a rate or a time, a gauge
+``duo:<key>``; ``True``/``False`` is a gauge of 1/0. A dict of numbers is
+one metric with a label (e.g. ``duo:target_step_ms_by_batch{batch="4"}``);
+anything else, and NaN or ``None`` (no sample yet), is skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import threading
+
+PREFIX = "duo:"
+
+# label names of the nested dicts DuoProposer.stats() returns; any other dict gets "key"
+LABELS = {
+    "branch_hits_by_rank": "rank",
+    "branch_count_distribution": "branches",
+    "chosen_lengths": "length",
+    "draft_call_ms_by_width": "width",
+    "target_step_ms_by_batch": "batch",
+    "gate_tokens_per_s": "mode",
+}
+
+logger = logging.getLogger(__name__)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))
+
+
+def _metric_name(key) -> str:
+    return PREFIX + re.sub(r"[^a-zA-Z0-9_]", "_", str(key))
+
+
+class MetricsPublisher:
+    """Keeps one prometheus_client metric per stats key and feeds it each stats dict."""
+
+    def __init__(self, registry=None):
+        from prometheus_client import REGISTRY
+
+        self.registry = REGISTRY if registry is None else registry
+        self._metrics: dict[str, tuple] = {}  # key -> (Counter or Gauge, counter?, labelled?)
+        self._last: dict[tuple, float] = {}  # (key, label) -> last value seen, for counters
+        self._lock = threading.Lock()
+
+    def publish(self, stats: dict) -> None:
+        with self._lock:
+            for key, value in stats.items():
+                if isinstance(value, dict):
+                    items = [(str(k), v) for k, v in value.items() if _is_number(v)]
+                    if items:
+                        counting = all(isinstance(v, int) and not isinstance(v, bool)
+                                       for _, v in items)
+                        for label, v in items:
+                            self._set(key, v, counting, label)
+                elif _is_number(value):
+                    self._set(key, value, isinstance(value, int) and not isinstance(value, bool))
+
+    def _metric(self, key: str, counting: bool, labelled: bool):
+        """(metric, is a counter, has a label) for ``key``; the first value seen decides."""
+        entry = self._metrics.get(key)
+        if entry is None:
+            from prometheus_client import Counter, Gauge
+
+            name, labels = _metric_name(key), [LABELS.get(key, "key")] if labelled else []
+            doc = f"DuoProposer stats()[{key!r}]"
+            try:
+                if counting:
+                    metric = Counter(name, doc, labels, registry=self.registry)
+                else:
+                    metric = Gauge(name, doc, labels, registry=self.registry,
+                                   multiprocess_mode="mostrecent")
+            except ValueError:  # the name is taken in this registry: leave the key out
+                metric = None
+            entry = self._metrics[key] = (metric, counting, labelled)
+        return entry
+
+    def _set(self, key: str, value, counting: bool, label: str | None = None) -> None:
+        metric, is_counter, labelled = self._metric(key, counting, label is not None)
+        if metric is None or labelled != (label is not None):
+            return  # a name clash, or a key that changed from number to dict or back
+        child = metric.labels(label) if labelled else metric
+        if is_counter:
+            last = self._last.get((key, label), 0)
+            delta = value - last if value >= last else value  # below the last: a reset
+            self._last[(key, label)] = value
+            if delta > 0:
+                child.inc(delta)
+        else:
+            child.set(float(value))
+
+
+_default: MetricsPublisher | None = None
+
+
+def publish(stats: dict) -> None:
+    """Export ``stats`` (DuoProposer's stats dict) to prometheus_client's default registry.
+
+    Never raises: metrics must not take a vLLM step down.
+    """
+    global _default
+    try:
+        if _default is None:
+            _default = MetricsPublisher()
+        _default.publish(stats)
+    except Exception as e:  # e.g. prometheus_client missing
+        logger.debug("duo_vllm metrics not published: %r", e)
