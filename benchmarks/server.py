@@ -54,11 +54,15 @@ def read_chat(response, stream: bool, abort_after: int | None = None) -> dict:
 
 
 class Server:
+    """``launcher``: the command that takes the server flags, in place of vLLM's
+    server module; e.g. ``["duo-vllm", "serve", "-k", "4"]``."""
+
     def __init__(self, target: str, log_path, spec: dict | None = None,
-                 max_model_len: int = 2048, env: dict | None = None):
+                 max_model_len: int = 2048, env: dict | None = None,
+                 launcher: list[str] | None = None):
         self.port = free_port()
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
-               "--host", "127.0.0.1", "--port", str(self.port),
+        launcher = launcher or [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+        cmd = [*launcher, "--model", target, "--host", "127.0.0.1", "--port", str(self.port),
                "--max-model-len", str(max_model_len), "--seed", "0", "--dtype", "float32"]
         if spec:
             cmd += ["--speculative-config", json.dumps(spec)]

