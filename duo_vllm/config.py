@@ -67,13 +67,20 @@ class DuoConfig:
         multi_sequence: Where the draft is unsure of the token the target
             will sample next, pre-draft a branch for each likely candidate
             (DuoDecoding's θ rule); ``False`` pre-drafts the top-1 chain only.
-        budget: ``"auto"`` sizes drafts from measured draft and target times
-            so both sides finish together; an integer N drafts N tokens per
-            request per step (clamped by ``num_speculative_tokens``).
+        budget: ``"auto"``: the goodput controller drafts, per request and
+            step, the tokens whose measured acceptance pays for their measured
+            verification and draft time (none where nothing pays); an integer
+            N drafts N tokens per request per step (clamped by
+            ``num_speculative_tokens``).
         max_branches: Most branches per request (the θ rule picks up to this).
         gate: With ``budget: "auto"``, measure the tokens per second vLLM
             makes with drafting on and off, per batch size, and draft only
             where on is faster (``False``: always draft as planned).
+        lookup: Before asking the draft model, look for the context's last
+            ``lookup_min`` to ``lookup_max`` tokens earlier in the context and
+            offer what followed them (free draft tokens, up to vLLM's
+            ``num_speculative_tokens``, which may exceed ``max_draft_len``).
+            Served where measured acceptance pays for their verification.
         draft_gpu_layers: Layers of the draft llama.cpp may offload to a GPU.
             0 (the default) keeps the draft on the CPU and hides the GPUs from
             the draft actor, whatever llama.cpp build is installed: a GPU build
@@ -100,6 +107,9 @@ class DuoConfig:
     max_branches: int = 4
     draft_gpu_layers: int = 0
     gate: bool = True
+    lookup: bool = True
+    lookup_min: int = 2
+    lookup_max: int = 8
 
     def __post_init__(self) -> None:
         cores = self.draft_cores
@@ -122,7 +132,12 @@ class DuoConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise DuoConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("use_actor", "parallel", "multi_sequence", "gate"):
+        if not (isinstance(self.lookup_min, int) and isinstance(self.lookup_max, int)
+                and 1 <= self.lookup_min <= self.lookup_max):
+            raise DuoConfigError(f"lookup_min and lookup_max must be integers with 1 <= "
+                                 f"lookup_min <= lookup_max, got {self.lookup_min!r}, "
+                                 f"{self.lookup_max!r}")
+        for name in ("use_actor", "parallel", "multi_sequence", "gate", "lookup"):
             if not isinstance(getattr(self, name), bool):
                 raise DuoConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.budget != "auto" and (isinstance(self.budget, bool)

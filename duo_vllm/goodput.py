@@ -279,8 +279,10 @@ class Acceptance:
     starts from its regime's α (``prior_weight`` trials of it).
     """
 
-    def __init__(self, decay: float = 0.9, prior_weight: float = 4.0):
+    def __init__(self, decay: float = 0.9, prior_weight: float = 4.0,
+                 prior: dict[str, float] | None = None):
         self.decay, self.prior_weight = decay, prior_weight
+        self.prior = PRIOR_ALPHA if prior is None else prior
         self._regime = {r: [0.0, 0.0] for r in PRIOR_ALPHA}  # successes, trials
         self._requests: dict[object, list[float]] = {}
 
@@ -298,7 +300,7 @@ class Acceptance:
     def regime_alpha(self, reg: str) -> float:
         s, t = self._regime[reg]
         w = self.prior_weight
-        return (s + w * PRIOR_ALPHA[reg]) / (t + w)
+        return (s + w * self.prior[reg]) / (t + w)
 
     def alpha(self, key, reg: str) -> float:
         s, t = self._requests.get(key, (0.0, 0.0))
@@ -332,6 +334,8 @@ class DraftGate:
         self._mode: dict = {}  # bucket -> drafting on?
         self._run: dict = {}  # bucket -> steps in the current mode
         self._clock: dict = {}  # bucket -> steps seen
+        self._lost: dict = {}  # bucket -> trials in a row the retried mode lost
+        self._trying: dict = {}  # bucket -> the mode under a retry's trial
         self.plain_steps = 0  # steps the gate left to plain decoding
 
     @staticmethod
@@ -353,8 +357,12 @@ class DraftGate:
             stale = self._clock[b] - self._seen_at.get(other, -10 ** 9) > self._retry(b)
             if other not in self._rate or stale:
                 on = not on  # try the other mode (again)
+                self._trying[b] = on
             else:
                 on = self.faster_on(b)
+                if self._trying.pop(b, None) == self._mode[b]:
+                    # the end of a retried mode's trial: did it lose (again)?
+                    self._lost[b] = self._lost.get(b, 0) + 1 if on != self._mode[b] else 0
             if on != self._mode[b]:
                 self._mode[b], self._run[b] = on, 0
         if not on:
@@ -362,9 +370,11 @@ class DraftGate:
         return on
 
     def _retry(self, b) -> int:
-        """Steps before the slower mode is tried again: 4x as many when it was far slower."""
+        """Steps before the slower mode is tried again: 4x as many when it was far slower
+        and lost its last two trials (one trial may have been a cold start)."""
         r_on, r_off = self._rate.get((b, True)), self._rate.get((b, False))
-        if r_on and r_off and max(r_on, r_off) > 1.2 * min(r_on, r_off):
+        if self._lost.get(b, 0) >= 2 and r_on and r_off and \
+                max(r_on, r_off) > 1.2 * min(r_on, r_off):
             return 4 * self.retry_every
         return self.retry_every
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ from .actor import DraftWorker, get_or_create_actor
 from .client import ActorClient
 from .config import DuoConfig, DuoConfigError, allowed_cpus, resolve_draft_cores
 from .goodput import DraftGate, StepTimeModel
+from .lookup import LOOKUP, MODEL, ContextLookup, choose
 from .models import ModelNotFoundError, default_draft_gguf
 from .vllm_patches import fix_cpu_expand_kernel, install_new_request_hook
 from .vocab import check_vocab, target_token_texts
@@ -73,8 +75,15 @@ def _ensure_ray(cfg: DuoConfig):
         kwargs["_node_ip_address"] = "127.0.0.1"
     else:
         kwargs["address"] = cfg.ray_address
-    with _all_cpus_affinity():
-        ray.init(**kwargs)
+    # Ray's daemons would write their own metrics into vLLM's multiprocess metrics
+    # directory (duo-vllm serve sets it) and flood /metrics with ray_* series
+    metrics_dir = os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    try:
+        with _all_cpus_affinity():
+            ray.init(**kwargs)
+    finally:
+        if metrics_dir is not None:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     return ray
 
 
@@ -108,6 +117,8 @@ class DuoProposer:
         self.config = cfg
         self.k = min(cfg.max_draft_len or spec.num_speculative_tokens,
                      spec.num_speculative_tokens)
+        # lookup drafts cost no draft time: they may run to num_speculative_tokens
+        self.k_lookup = spec.num_speculative_tokens
         model_config = vllm_config.model_config
         self.max_model_len = model_config.max_model_len
         self.target_vocab_size = model_config.get_vocab_size()
@@ -120,6 +131,8 @@ class DuoProposer:
                         "output rank drafts)")
             return
 
+        if cfg.lookup:
+            self.lookup = ContextLookup(cfg.lookup_min, cfg.lookup_max)
         self.model_path = cfg.draft_model or default_draft_gguf()
         if not os.path.isfile(self.model_path):
             raise ModelNotFoundError(
@@ -172,6 +185,7 @@ class DuoProposer:
         self._sampled = False  # some request of the step under way samples
         self._started_at: float | None = None  # when the last propose() was called
         self._counts: dict = {}  # request id -> its tokens at the last propose()
+        self.lookup: ContextLookup | None = None  # drafts copied from the context
 
     @staticmethod
     def _draft_cores(cfg: DuoConfig) -> list[int] | None:
@@ -217,30 +231,33 @@ class DuoProposer:
         if self._failed or self._passive:
             return drafts
         token_ids = np.asarray(token_ids_cpu)  # a numpy array in vLLM 0.32, or a tensor
-        rows, contexts, budgets = [], [], []
+        rows, contexts, budgets, lookup_caps = [], [], [], []
         partial = False
         for i, sampled in enumerate(sampled_token_ids):
             if not len(sampled):  # a partial prefill chunk, or a discarded request
                 partial = True
                 continue
             n = int(num_tokens_no_spec[i])
-            k = min(self.k, self.max_model_len - n - 1)
-            if k <= 0:
+            room = self.max_model_len - n - 1
+            if room <= 0:
                 continue
             rows.append(i)
             contexts.append(token_ids[i, :n].copy())
-            budgets.append(k)
+            budgets.append(min(self.k, room))
+            lookup_caps.append(min(self.k_lookup, room))
         self._observe_step(rows, num_tokens_no_spec, skip=partial)
         if not rows:
             self._returned_at = None
             return drafts
         temps = self._temperatures(rows)
         self._sampled = bool(temps) and max(temps) > 1e-5
+        temps_or_0 = temps or [0.0] * len(rows)
+        keys = self._request_keys(rows)
+        lookups = self._lookups(keys, contexts, lookup_caps)
         if self._runner is not None and self._gated:  # it needs request ids to count tokens
             self._on = self.gate.drafting(len(rows), self._sampled)
-        if not self._on:  # plain decoding is faster at this batch size: no draft work at all
-            self._last_step, self._returned_at = (len(rows), 0), time.perf_counter()
-            return drafts
+        if not self._on:  # the draft model does not pay at this batch size: no draft work
+            return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, None)
         cost = self.step_time.cost(len(rows))
         step_s, per_token_s = (None, None) if cost is None else (cost.t0, cost.per_token)
         t0 = time.perf_counter()
@@ -250,13 +267,46 @@ class DuoProposer:
             self._returned_at = time.perf_counter()
             self._calls += 1
             self._wait_s += self._returned_at - t0
-        self._last_step = (len(rows), 0)
-        if result is None:  # the draft side is slow, restarting or gone: plain decoding
-            return drafts
-        self._maybe_log_stats()
-        for i, k, draft in zip(rows, budgets, result):
-            drafts[i] = valid_prefix(draft[:k], self.target_vocab_size)
+        if result is not None:
+            result = [valid_prefix(d[:k], self.target_vocab_size)
+                      for d, k in zip(result, budgets)]
+        # result None: the draft side is slow, restarting or gone (lookups only)
+        return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, result)
+
+    def _request_keys(self, rows: list[int]) -> list:
+        ids = getattr(getattr(self._runner, "input_batch", None), "req_ids", None)
+        if ids is None:
+            return list(rows)
+        return [ids[i] if i < len(ids) else i for i in rows]
+
+    def _lookups(self, keys, contexts, caps):
+        """Each row's lookup draft (after scoring the last step's proposals)."""
+        if self.lookup is None:
+            return None
+        self.lookup.observe(keys, contexts)
+        return self.lookup.propose(contexts, caps)
+
+    def _serve(self, drafts, rows, keys, contexts, temps, lookups, model):
+        """The step's drafts: model drafts and lookup drafts combined per row."""
+        if lookups is None and model is not None:
+            for i, d in zip(rows, model):
+                drafts[i] = d
+        elif lookups is not None:
+            # a lookup token pays where α > c · goodput, goodput ~ the plain step's
+            cost = self.step_time.cost(len(rows))
+            threshold = math.inf if cost is None else cost.per_token * len(rows) / cost.t0
+            for j, i in enumerate(rows):
+                m = model[j] if model is not None else []
+                a_m = self.lookup.alpha(MODEL, keys[j], temps[j])
+                a_l = self.lookup.alpha(LOOKUP, keys[j], temps[j])
+                served, source = choose(m, lookups[j], a_m, a_l, threshold)
+                drafts[i] = served
+                self.lookup.remember(keys[j], len(contexts[j]), temps[j],
+                                     {LOOKUP: lookups[j], MODEL: m}, source, served)
         self._last_step = (len(rows), sum(len(d) for d in drafts))
+        if model is None:
+            self._returned_at = time.perf_counter()
+        self._maybe_log_stats()  # also while the gate keeps the draft model off
         return drafts
 
     def attach_runner(self, runner) -> None:
@@ -347,6 +397,7 @@ class DuoProposer:
             "gate_tokens_per_s": self.gate.rates(),
             "target_step_ms_by_batch": {
                 b: 1e3 * self.step_time.cost(b).t0 for b in self.step_time.batch_sizes()},
+            **(self.lookup.summary() if self.lookup is not None else {}),
         }
 
     def stats(self) -> dict:
@@ -379,10 +430,12 @@ class DuoProposer:
         logger.info(
             "DuoProposer: pre-draft hit rate %.1f%%, branch hit rate %.1f%%, branches %s, "
             "%.2f draft tokens/step, actor busy %.0f%%, draft %.1f ms/token, target step "
-            "%.1f ms, wait for drafts %.1f ms/step", 100 * s["predraft_hit_rate"],
-            100 * s["branch_hit_rate"], s["branch_count_distribution"],
-            s["draft_tokens_per_step"], 100 * s["busy_fraction"], s["draft_token_ms"],
-            s["target_step_ms"], s["propose_wait_ms"])
+            "%.1f ms, wait for drafts %.1f ms/step, lookup tokens accepted %d of %d served",
+            100 * s["predraft_hit_rate"], 100 * s["branch_hit_rate"],
+            s["branch_count_distribution"], s["draft_tokens_per_step"],
+            100 * s["busy_fraction"], s["draft_token_ms"], s["target_step_ms"],
+            s["propose_wait_ms"], s.get("lookup_tokens_accepted", 0),
+            s.get("lookup_tokens_served", 0))
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM hook; the draft model is loaded by the actor at construction."""

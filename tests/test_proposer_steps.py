@@ -47,6 +47,7 @@ def bare(worker, vocab=50, k=4):
     p = object.__new__(DuoProposer)
     p.config = DuoConfig(use_actor=False)
     p.k, p.max_model_len, p.target_vocab_size = k, 100, vocab
+    p.k_lookup = k
     p._client, p._worker = None, worker
     p._init_step_state()
     return p
@@ -154,3 +155,60 @@ def test_without_the_gate_or_with_a_fixed_budget_every_step_drafts(clock):
         p.gate.drafting = lambda batch, sampled: False
         sampled, n, ids = inputs([[1, 2]])
         assert p.propose(sampled, n, ids) == [[1, 2, 3, 4]]
+
+
+def test_lookup_drafts_are_served_when_the_draft_model_is_off_and_scored_per_source(clock):
+    from duo_vllm.lookup import LOOKUP, MODEL, ContextLookup
+
+    w = FakeWorker()
+    p = bare(w, k=2)
+    p.k_lookup = 4
+    p.lookup = ContextLookup(min_n=2, max_n=4)
+    p._gated = False
+    p._on = False  # the gate keeps the draft model off
+    for e in range(0, 5):  # verifying a token is nearly free: all four pay
+        p.step_time.observe(1, e, 0.050 + 0.0001 * e)
+    ctx = [5, 6, 7, 8, 9, 10, 5, 6]  # "5 6" came before, followed by 7 8 9 10
+    sampled, n, ids = inputs([ctx])
+    drafts = p.propose(sampled, n, ids)
+    assert w.calls == []  # no draft-model work
+    assert drafts == [[7, 8, 9, 10]]  # k_lookup, beyond the model's k
+    # the target accepted 7 8, then said 11: lookup judged on 3 tokens, 2 accepted
+    sampled, n, ids = inputs([ctx + [7, 8, 11]])
+    p.propose(sampled, n, ids)
+    s = p._local_stats()
+    assert s["lookup_tokens_served"] == 4 and s["lookup_tokens_accepted"] == 2
+    assert p.lookup.acceptance[MODEL].alpha(0, "greedy") == pytest.approx(0.7)  # untouched
+    assert p.lookup.acceptance[LOOKUP].alpha(0, "greedy") != pytest.approx(0.4)
+
+
+def test_lookup_and_model_drafts_are_combined_by_agreement(clock):
+    from duo_vllm.lookup import ContextLookup
+
+    w = FakeWorker(drafts=[[7, 8]])  # the model agrees with the lookup's start
+    p = bare(w, k=2)
+    p.k_lookup = 4
+    p.lookup = ContextLookup(min_n=2, max_n=4)
+    p._gated = False
+    for e in range(0, 5):
+        p.step_time.observe(1, e, 0.050 + 0.0001 * e)
+    sampled, n, ids = inputs([[5, 6, 7, 8, 9, 10, 5, 6]])
+    assert p.propose(sampled, n, ids) == [[7, 8, 9, 10]]  # the longer of two that agree
+    w.drafts = [[3, 4]]  # the model disagrees: the source more likely accepted wins
+    sampled, n, ids = inputs([[5, 6, 7, 8, 9, 10, 5, 6, 7, 1, 5, 6]])
+    assert p.propose(sampled, n, ids) == [[3, 4]]  # model prior 0.7 > lookup's measured
+
+
+def test_lookup_tokens_that_do_not_pay_are_not_served(clock):
+    from duo_vllm.lookup import LOOKUP, ContextLookup
+
+    w = FakeWorker()
+    p = bare(w, k=2)
+    p.lookup = ContextLookup(min_n=2, max_n=4)
+    p._gated, p._on = False, False
+    for e in range(0, 5):  # verifying a token costs as much as a plain step
+        p.step_time.observe(1, e, 0.050 + 0.050 * e)
+    for _ in range(20):
+        p.lookup.acceptance[LOOKUP].observe(0, "greedy", 0, 1)  # never accepted
+    sampled, n, ids = inputs([[5, 6, 7, 8, 5, 6]])
+    assert p.propose(sampled, n, ids) == [[]]

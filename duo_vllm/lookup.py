@@ -1,0 +1,200 @@
+"""Free draft tokens: copy what followed the context's last n-gram earlier on.
+
+RAG answers quote their passages, summaries their document, code edits their
+code. Where the last few tokens of a request's context (prompt plus output)
+occurred before, what followed them then is a draft that costs no draft-model
+time: :func:`find_continuation`. It is a few numpy passes over the candidate
+positions, not vLLM's numba matcher (``ngram_proposer``): numba's objects in
+``sys.modules`` break vLLM's CPU kernel-override scan
+(``triton_utils.dispatcher._rebind_kernels``) when an engine starts later in
+the same process.
+
+Lookup drafts and draft-model drafts are two *sources*. Both are scored every
+step against the tokens the target then produced (:func:`score`), served or
+not, so each request's acceptance per source is measured. Per request and
+step, :func:`combine` serves one draft: where the two agree, the longer; where
+they differ, the source more likely accepted. Lookup tokens are verified like
+any draft, so they pass the goodput rule of :mod:`duo_vllm.goodput` first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .goodput import Acceptance, regime
+
+LOOKUP, MODEL = "lookup", "model"
+# before any measurement: a match is a guess (a draft model's first guess is PRIOR_ALPHA)
+LOOKUP_PRIOR = {"greedy": 0.4, "sampled": 0.3}
+
+
+def find_continuation(context: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
+    """Up to ``k`` tokens that followed the longest earlier occurrence (``min_n`` to
+    ``max_n`` tokens, the most recent of equals) of the context's suffix; empty when
+    there is none.
+
+    Candidates are the positions ``e`` where an occurrence may end: first those
+    holding the last token, then, for n = 1, 2, ..., those whose token n back
+    also matches. One pass over the context, then passes over the survivors.
+    """
+    size = len(context)
+    if k <= 0 or size < min_n + 1:
+        return context[:0]
+    ends = np.flatnonzero(context[:-1] == context[-1])  # never the suffix itself
+    n = 1
+    while n < max_n and ends.size:
+        room = ends[ends >= n]  # an occurrence cannot reach back before the start
+        longer = room[context[room - n] == context[size - 1 - n]]
+        if not longer.size:
+            break
+        ends, n = longer, n + 1
+    if n < min_n or not ends.size:
+        return context[:0]
+    e = int(ends[-1])
+    return context[e + 1:e + 1 + k]
+
+
+def common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if int(x) != int(y):
+            break
+        n += 1
+    return n
+
+
+def score(draft, produced) -> tuple[int, int]:
+    """(accepted, judged) of ``draft`` against the tokens the target ``produced`` after it.
+
+    The target produced its accepted draft tokens plus one of its own, so a
+    draft is judged only as far as ``produced`` reaches: one that matches all of
+    it had no rejection observed (censored), one that differs was rejected there.
+    """
+    judged = min(len(draft), len(produced))
+    return min(common_prefix(draft, produced), judged), judged
+
+
+def combine(model: list[int], lookup: list[int], alpha_model: float,
+            alpha_lookup: float) -> tuple[list[int], str]:
+    """The draft to serve from a draft-model draft and a lookup draft, and its source.
+
+    Where one is a prefix of the other they agree: serve the longer. Where they
+    part, serve the source whose tokens are more likely accepted.
+    """
+    if not lookup:
+        return model, MODEL
+    if not model:
+        return lookup, LOOKUP
+    agree = common_prefix(model, lookup)
+    if agree == len(model) or agree == len(lookup):
+        return (lookup, LOOKUP) if len(lookup) > len(model) else (model, MODEL)
+    return (lookup, LOOKUP) if alpha_lookup > alpha_model else (model, MODEL)
+
+
+def paying_length(lead: float, alpha: float, n: int, threshold: float) -> int:
+    """Tokens of an ``n``-token lookup tail worth verifying.
+
+    Its t-th token is accepted with probability ``lead`` · αᵗ (``lead``: the
+    chance the draft tokens before the tail are all accepted) and pays while
+    that beats ``threshold`` = c · goodput (:func:`duo_vllm.goodput.pays`).
+    """
+    t, p = 0, lead
+    while t < n and p * alpha > threshold:
+        t, p = t + 1, p * alpha
+    return t
+
+
+def choose(model: list[int], lookup: list[int], alpha_model: float, alpha_lookup: float,
+           threshold: float) -> tuple[list[int], str]:
+    """:func:`combine`, with a lookup tail cut to what pays for its verification."""
+    draft, source = combine(model, lookup, alpha_model, alpha_lookup)
+    if source != LOOKUP:
+        return draft, source
+    agree = common_prefix(model, lookup)  # the model's draft, extended by the lookup
+    lead = alpha_model ** agree if agree == len(model) else 1.0
+    if agree != len(model):
+        agree = 0
+    n = agree + paying_length(lead, alpha_lookup, len(draft) - agree, threshold)
+    if n <= len(model) and model:
+        return model, MODEL
+    return draft[:n], LOOKUP
+
+
+@dataclass
+class _Proposal:
+    start: int  # context length when proposed
+    reg: str
+    drafts: dict  # source -> the tokens it proposed
+    served: str | None  # the source served, if any
+    tokens: list  # the tokens served (a source's draft, maybe cut by the plan)
+
+
+@dataclass
+class LookupStats:
+    rows: int = 0  # rows with a lookup match
+    served: dict = field(default_factory=lambda: {LOOKUP: 0, MODEL: 0})  # tokens served
+    accepted: dict = field(default_factory=lambda: {LOOKUP: 0, MODEL: 0})  # of those
+
+
+class ContextLookup:
+    """Lookup drafts for a step's rows, and each request's acceptance per source."""
+
+    def __init__(self, min_n: int = 2, max_n: int = 8):
+        self.min_n, self.max_n = min_n, max_n
+        self.acceptance = {LOOKUP: Acceptance(prior=LOOKUP_PRIOR), MODEL: Acceptance()}
+        self.stats = LookupStats()
+        self._last: dict = {}  # request key -> _Proposal
+        self._keys: set = set()  # the requests of the last step
+
+    def observe(self, keys, contexts) -> None:
+        """Score the last step's proposals against what the target produced since."""
+        last, self._last = self._last, {}
+        keys = list(keys)
+        for key in self._keys - set(keys):  # finished (or preempted): forget its numbers
+            for a in self.acceptance.values():
+                a.forget(key)
+        self._keys = set(keys)
+        for key, ctx in zip(keys, contexts):
+            p = last.get(key)
+            if p is None or len(ctx) <= p.start:
+                continue
+            produced = ctx[p.start:]
+            for source, draft in p.drafts.items():
+                self.acceptance[source].observe(key, p.reg, *score(draft, produced))
+            if p.served is not None:
+                self.stats.served[p.served] += len(p.tokens)
+                self.stats.accepted[p.served] += score(p.tokens, produced)[0]
+
+    def propose(self, contexts, caps) -> list[list[int]]:
+        out = []
+        for ctx, k in zip(contexts, caps):
+            draft = find_continuation(ctx, k, self.min_n, self.max_n).tolist()
+            self.stats.rows += bool(draft)
+            out.append(draft)
+        return out
+
+    def alpha(self, source: str, key, temperature: float) -> float:
+        return self.acceptance[source].alpha(key, regime(temperature))
+
+    def remember(self, key, start: int, temperature: float, drafts: dict,
+                 served: str | None, tokens: list) -> None:
+        """What each source proposed for ``key`` at context length ``start``, and
+        which ``served`` source's ``tokens`` went to vLLM."""
+        drafts = {s: d for s, d in drafts.items() if d}
+        if drafts:
+            self._last[key] = _Proposal(start, regime(temperature), drafts,
+                                        served if tokens else None, tokens)
+
+    def summary(self) -> dict:
+        s = self.stats
+        return {
+            "lookup_rows": s.rows,
+            "lookup_tokens_served": s.served[LOOKUP],
+            "lookup_tokens_accepted": s.accepted[LOOKUP],
+            "model_tokens_served": s.served[MODEL],
+            "model_tokens_accepted": s.accepted[MODEL],
+            "lookup_alpha_greedy": self.acceptance[LOOKUP].regime_alpha("greedy"),
+            "model_alpha_greedy": self.acceptance[MODEL].regime_alpha("greedy"),
+        }

@@ -1,0 +1,93 @@
+"""The lookup source: the n-gram matcher on hand-built contexts, scoring, source choice."""
+
+import time
+
+import numpy as np
+import pytest
+
+from duo_vllm.lookup import (LOOKUP, MODEL, ContextLookup, choose, combine, find_continuation,
+                              paying_length, score)
+
+
+def ctx(*tokens):
+    return np.array(tokens, dtype=np.int32)
+
+
+def test_the_longest_earlier_match_gives_what_followed_it():
+    # "1 2 3" occurs earlier followed by 9 9; "2 3" also occurs followed by 4
+    c = ctx(1, 2, 3, 9, 9, 7, 2, 3, 4, 5, 1, 2, 3)
+    assert find_continuation(c, 2, 2, 4).tolist() == [9, 9]
+    assert find_continuation(c, 8, 2, 4).tolist() == [9, 9, 7, 2, 3, 4, 5, 1]
+    assert find_continuation(ctx(1, 2, 3, 4), 4, 2, 4).tolist() == []  # no repeat
+    assert find_continuation(ctx(1, 2, 3, 1, 2), 0, 2, 4).tolist() == []  # no room
+    assert find_continuation(ctx(1, 2, 3, 1, 2), 4, 3, 4).tolist() == []  # too short a match
+    # two equal matches: the most recent one's continuation
+    assert find_continuation(ctx(1, 2, 5, 1, 2, 6, 1, 2), 1, 2, 4).tolist() == [6]
+    # capped at max_n: "4 1 2 3" would match longer, the 2-gram "2 3" is taken at its latest
+    assert find_continuation(ctx(4, 1, 2, 3, 8, 2, 3, 9, 4, 1, 2, 3), 1, 2, 2).tolist() == [9]
+    assert find_continuation(ctx(4, 1, 2, 3, 8, 2, 3, 9, 4, 1, 2, 3), 1, 2, 4).tolist() == [8]
+
+
+def test_the_matcher_agrees_with_a_brute_force_search():
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        c = rng.integers(0, 4, rng.integers(2, 40)).astype(np.int32)
+        want = []
+        for n in range(6, 1, -1):  # longest first, then the latest occurrence
+            ends = [e for e in range(n - 1, len(c) - 1)
+                    if c[e - n + 1:e + 1].tolist() == c[len(c) - n:].tolist()]
+            if ends:
+                want = c[ends[-1] + 1:ends[-1] + 4].tolist()
+                break
+        assert find_continuation(c, 3, 2, 6).tolist() == want, c.tolist()
+
+
+def test_the_matcher_is_cheap_at_16k_tokens():
+    rng = np.random.default_rng(0)
+    c = rng.integers(0, 50000, 16384).astype(np.int32)
+    c[-6:] = c[100:106]
+    t = time.perf_counter()
+    out = find_continuation(c, 8, 2, 8)
+    elapsed = time.perf_counter() - t
+    assert out.tolist() == c[106:114].tolist()
+    assert elapsed < 0.05  # a bound far above the measured ~0.1 ms, not a speed claim
+
+
+def test_a_draft_is_judged_as_far_as_the_target_produced():
+    assert score([7, 8, 9], [7, 8, 11]) == (2, 3)  # rejected at the third
+    assert score([7, 8, 9], [7, 8]) == (2, 2)  # the third never judged
+    assert score([7], [7, 8, 11]) == (1, 1)
+    assert score([5, 8], [7]) == (0, 1)
+
+
+def test_agreeing_sources_serve_the_longer_and_disagreeing_the_more_likely():
+    assert combine([1, 2], [1, 2, 3, 4], 0.9, 0.1) == ([1, 2, 3, 4], LOOKUP)
+    assert combine([1, 2, 3], [1, 2], 0.1, 0.9) == ([1, 2, 3], MODEL)
+    assert combine([1, 2], [1, 5, 6], 0.9, 0.5) == ([1, 2], MODEL)
+    assert combine([1, 2], [1, 5, 6], 0.5, 0.9) == ([1, 5, 6], LOOKUP)
+    assert combine([], [4], 0.9, 0.1) == ([4], LOOKUP)
+    assert combine([3], [], 0.1, 0.9) == ([3], MODEL)
+
+
+def test_each_source_is_scored_served_or_not_and_finished_requests_are_forgotten():
+    lk = ContextLookup()
+    lk.remember("a", 5, 0.0, {LOOKUP: [1, 2, 3, 5], MODEL: [1, 4]}, LOOKUP, [1, 2, 3])
+    lk.observe(["a"], [ctx(0, 0, 0, 0, 0, 1, 2, 9)])  # target: 1 2 accepted, then 9
+    assert lk.stats.served[LOOKUP] == 3 and lk.stats.accepted[LOOKUP] == 2
+    assert lk.stats.served[MODEL] == 0
+    a_l, a_m = lk.alpha(LOOKUP, "a", 0.0), lk.alpha(MODEL, "a", 0.0)
+    assert a_l > 0.4  # prior 0.4, then 2 of 3 trials (the 4th token never judged)
+    assert a_m < 0.7  # prior 0.7, then 1 of 2 trials (4 rejected)
+    lk.observe(["b"], [ctx(1, 2)])  # "a" finished
+    assert lk.alpha(LOOKUP, "a", 0.0) == pytest.approx(lk.acceptance[LOOKUP].regime_alpha("greedy"))
+
+
+def test_a_lookup_tail_is_cut_where_its_tokens_stop_paying():
+    assert paying_length(1.0, 0.5, 8, 0.1) == 3  # 0.5, 0.25, 0.125 > 0.1 > 0.0625
+    assert paying_length(0.5, 0.5, 8, 0.1) == 2  # after a lead of 0.5
+    assert paying_length(1.0, 0.9, 2, 0.1) == 2  # capped by the tail
+    # the model's [1, 2] agrees: the tail 3 4 5 is worth 0.9² · 0.5ᵗ
+    assert choose([1, 2], [1, 2, 3, 4, 5], 0.9, 0.5, 0.15) == ([1, 2, 3, 4], LOOKUP)
+    assert choose([1, 2], [1, 2, 3], 0.9, 0.05, 0.1) == ([1, 2], MODEL)  # tail does not pay
+    assert choose([], [3, 4, 5], 0.9, 0.5, 0.2) == ([3, 4], LOOKUP)
+    assert choose([], [3, 4, 5], 0.9, 0.5, float("inf")) == ([], LOOKUP)
