@@ -40,8 +40,18 @@ WHEEL_DIR="$CACHE/wheels/llama-cpp-python-$LLAMA_VERSION-$FLAGS_KEY"
 if ! ls "$WHEEL_DIR"/llama_cpp_python-*.whl >/dev/null 2>&1; then
   mkdir -p "$WHEEL_DIR"
   echo "[install] building llama-cpp-python $LLAMA_VERSION with CMAKE_ARGS=$LLAMA_FLAGS"
+  echo "[install] (about 10 minutes on 2 cores; once per version and flags, then cached)"
+  built_from=$(date +%s)
+  # a line a minute while the compiler is silent (pip shows nothing until it ends)
+  ( while sleep 60; do
+      echo "[install]   still building llama-cpp-python: $(( ($(date +%s) - built_from) / 60 )) min"
+    done ) &
+  heartbeat=$!
+  trap 'kill "$heartbeat" 2>/dev/null || true' EXIT
   CMAKE_ARGS="$LLAMA_FLAGS" "$PY" -m pip wheel --no-cache-dir --no-deps \
     "llama-cpp-python==$LLAMA_VERSION" -w "$WHEEL_DIR"
+  kill "$heartbeat" 2>/dev/null || true
+  echo "[install] built in $(( ($(date +%s) - built_from) / 60 )) min"
 else
   echo "[install] reusing llama-cpp-python wheel from $WHEEL_DIR ($LLAMA_FLAGS)"
 fi
