@@ -334,7 +334,7 @@ class DraftGate:
         self._mode: dict = {}  # bucket -> drafting on?
         self._run: dict = {}  # bucket -> steps in the current mode
         self._clock: dict = {}  # bucket -> steps seen
-        self._lost: dict = {}  # bucket -> trials in a row the retried mode lost
+        self._lost: dict = {}  # (bucket, mode) -> its retries in a row that lost
         self._trying: dict = {}  # bucket -> the mode under a retry's trial
         self.plain_steps = 0  # steps the gate left to plain decoding
 
@@ -362,7 +362,8 @@ class DraftGate:
                 on = self.faster_on(b)
                 if self._trying.pop(b, None) == self._mode[b]:
                     # the end of a retried mode's trial: did it lose (again)?
-                    self._lost[b] = self._lost.get(b, 0) + 1 if on != self._mode[b] else 0
+                    lost = (b, self._mode[b])
+                    self._lost[lost] = self._lost.get(lost, 0) + 1 if on != self._mode[b] else 0
             if on != self._mode[b]:
                 self._mode[b], self._run[b] = on, 0
         if not on:
@@ -373,7 +374,8 @@ class DraftGate:
         """Steps before the slower mode is tried again: 4x as many when it was far slower
         and lost its last two trials (one trial may have been a cold start)."""
         r_on, r_off = self._rate.get((b, True)), self._rate.get((b, False))
-        if self._lost.get(b, 0) >= 2 and r_on and r_off and \
+        retried = not self._mode.get(b, True)
+        if self._lost.get((b, retried), 0) >= 2 and r_on and r_off and \
                 max(r_on, r_off) > 1.2 * min(r_on, r_off):
             return 4 * self.retry_every
         return self.retry_every

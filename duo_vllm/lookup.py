@@ -35,6 +35,9 @@ def find_continuation(context: np.ndarray, k: int, min_n: int, max_n: int) -> np
     ``max_n`` tokens, the most recent of equals) of the context's suffix; empty when
     there is none.
 
+    A continuation that reaches the end of the context repeats with the
+    period of the match (``size - 1 - e``), as a repetition would go on.
+
     Candidates are the positions ``e`` where an occurrence may end: first those
     holding the last token, then, for n = 1, 2, ..., those whose token n back
     also matches. One pass over the context, then passes over the survivors.
@@ -53,7 +56,9 @@ def find_continuation(context: np.ndarray, k: int, min_n: int, max_n: int) -> np
     if n < min_n or not ends.size:
         return context[:0]
     e = int(ends[-1])
-    return context[e + 1:e + 1 + k]
+    # a continuation that runs into the context's end repeats with the match's period
+    # ("7 7 7" goes on as 7 7 ..., "1 2 1 2" as 1 2 1 2 ...)
+    return context[e + 1 + np.arange(k) % (size - 1 - e)]
 
 
 def common_prefix(a, b) -> int:
@@ -112,14 +117,15 @@ def choose(model: list[int], lookup: list[int], alpha_model: float, alpha_lookup
     draft, source = combine(model, lookup, alpha_model, alpha_lookup)
     if source != LOOKUP:
         return draft, source
-    agree = common_prefix(model, lookup)  # the model's draft, extended by the lookup
-    lead = alpha_model ** agree if agree == len(model) else 1.0
-    if agree != len(model):
-        agree = 0
-    n = agree + paying_length(lead, alpha_lookup, len(draft) - agree, threshold)
-    if n <= len(model) and model:
-        return model, MODEL
-    return draft[:n], LOOKUP
+    agree = common_prefix(model, lookup)
+    if agree == len(model):  # the model's draft, extended by the lookup's tail
+        n = agree + paying_length(alpha_model ** agree, alpha_lookup, len(draft) - agree,
+                                  threshold)
+        if model and n <= len(model):
+            return model, MODEL
+        return draft[:n], LOOKUP
+    n = paying_length(1.0, alpha_lookup, len(draft), threshold)  # they part: the lookup's own
+    return (draft[:n], LOOKUP) if n else (model, MODEL)
 
 
 @dataclass

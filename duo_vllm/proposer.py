@@ -277,14 +277,15 @@ class DuoProposer:
         ids = getattr(getattr(self._runner, "input_batch", None), "req_ids", None)
         if ids is None:
             return list(rows)
-        return [ids[i] if i < len(ids) else i for i in rows]
+        return [ids[i] if i < len(ids) and ids[i] is not None else ("row", i) for i in rows]
 
     def _lookups(self, keys, contexts, caps):
         """Each row's lookup draft (after scoring the last step's proposals)."""
         if self.lookup is None:
             return None
         self.lookup.observe(keys, contexts)
-        return self.lookup.propose(contexts, caps)
+        return [valid_prefix(d, self.target_vocab_size)
+                for d in self.lookup.propose(contexts, caps)]
 
     def _serve(self, drafts, rows, keys, contexts, temps, lookups, model):
         """The step's drafts: model drafts and lookup drafts combined per row."""

@@ -210,3 +210,13 @@ def test_gate_follows_a_change():
     run_gate(gate, 4, rate_on=50.0, rate_off=100.0, steps=200)
     modes = run_gate(gate, 4, rate_on=200.0, rate_off=100.0, steps=300)  # drafting got better
     assert sum(modes[-100:]) / 100 > 0.7  # on, but for the trials of plain decoding
+
+
+def test_the_longer_wait_counts_the_losses_of_the_mode_retried_only():
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    run_gate(gate, 1, rate_on=40.0, rate_off=25.0, steps=150)  # plain decoding loses twice
+    modes = run_gate(gate, 1, rate_on=10.0, rate_off=25.0, steps=600)  # now drafting is slow
+    retries = [i for i in range(1, 600) if modes[i] and not modes[i - 1]]
+    # drafting's own first two losses are retried at the usual interval, then 4x later
+    assert retries[:2] == [pytest.approx(107, abs=3), pytest.approx(220, abs=3)]
+    assert len(retries) == 2

@@ -21,6 +21,9 @@ def test_the_longest_earlier_match_gives_what_followed_it():
     assert find_continuation(ctx(1, 2, 3, 4), 4, 2, 4).tolist() == []  # no repeat
     assert find_continuation(ctx(1, 2, 3, 1, 2), 0, 2, 4).tolist() == []  # no room
     assert find_continuation(ctx(1, 2, 3, 1, 2), 4, 3, 4).tolist() == []  # too short a match
+    # a repetition goes on with its period
+    assert find_continuation(ctx(7, 7, 7, 7), 5, 2, 4).tolist() == [7] * 5
+    assert find_continuation(ctx(3, 1, 2, 1, 2, 1, 2), 5, 2, 8).tolist() == [1, 2, 1, 2, 1]
     # two equal matches: the most recent one's continuation
     assert find_continuation(ctx(1, 2, 5, 1, 2, 6, 1, 2), 1, 2, 4).tolist() == [6]
     # capped at max_n: "4 1 2 3" would match longer, the 2-gram "2 3" is taken at its latest
@@ -36,8 +39,9 @@ def test_the_matcher_agrees_with_a_brute_force_search():
         for n in range(6, 1, -1):  # longest first, then the latest occurrence
             ends = [e for e in range(n - 1, len(c) - 1)
                     if c[e - n + 1:e + 1].tolist() == c[len(c) - n:].tolist()]
-            if ends:
-                want = c[ends[-1] + 1:ends[-1] + 4].tolist()
+            if ends:  # what followed, repeating with the match's period past the end
+                e = ends[-1]
+                want = [int(c[e + 1 + j % (len(c) - 1 - e)]) for j in range(3)]
                 break
         assert find_continuation(c, 3, 2, 6).tolist() == want, c.tolist()
 
@@ -91,3 +95,6 @@ def test_a_lookup_tail_is_cut_where_its_tokens_stop_paying():
     assert choose([1, 2], [1, 2, 3], 0.9, 0.05, 0.1) == ([1, 2], MODEL)  # tail does not pay
     assert choose([], [3, 4, 5], 0.9, 0.5, 0.2) == ([3, 4], LOOKUP)
     assert choose([], [3, 4, 5], 0.9, 0.5, float("inf")) == ([], LOOKUP)
+    # they part: a shorter lookup more likely accepted still wins, unless none of it pays
+    assert choose([1, 2, 3], [1, 9], 0.2, 0.9, 0.1) == ([1, 9], LOOKUP)
+    assert choose([1, 2, 3], [1, 9], 0.2, 0.9, 0.95) == ([1, 2, 3], MODEL)

@@ -178,8 +178,9 @@ def test_lookup_drafts_are_served_when_the_draft_model_is_off_and_scored_per_sou
     p.propose(sampled, n, ids)
     s = p._local_stats()
     assert s["lookup_tokens_served"] == 4 and s["lookup_tokens_accepted"] == 2
-    assert p.lookup.acceptance[MODEL].alpha(0, "greedy") == pytest.approx(0.7)  # untouched
-    assert p.lookup.acceptance[LOOKUP].alpha(0, "greedy") != pytest.approx(0.4)
+    key = ("row", 0)  # no runner attached: rows are the keys
+    assert p.lookup.acceptance[MODEL].alpha(key, "greedy") == pytest.approx(0.7)  # untouched
+    assert p.lookup.acceptance[LOOKUP].alpha(key, "greedy") > 0.4  # 2 of 3 accepted
 
 
 def test_lookup_and_model_drafts_are_combined_by_agreement(clock):
@@ -206,9 +207,11 @@ def test_lookup_tokens_that_do_not_pay_are_not_served(clock):
     p = bare(w, k=2)
     p.lookup = ContextLookup(min_n=2, max_n=4)
     p._gated, p._on = False, False
-    for e in range(0, 5):  # verifying a token costs as much as a plain step
-        p.step_time.observe(1, e, 0.050 + 0.050 * e)
-    for _ in range(20):
-        p.lookup.acceptance[LOOKUP].observe(0, "greedy", 0, 1)  # never accepted
+    for e in range(0, 5):  # verifying a token costs a tenth of a plain step
+        p.step_time.observe(1, e, 0.050 + 0.005 * e)
     sampled, n, ids = inputs([[5, 6, 7, 8, 5, 6]])
+    assert p.propose(sampled, n, ids) == [[7, 8]]  # the prior (0.4) pays for two
+    for _ in range(20):
+        p.lookup.acceptance[LOOKUP].observe(("row", 0), "greedy", 0, 1)  # never accepted
+    sampled, n, ids = inputs([[5, 6, 7, 8, 5, 6, 9, 5, 6]])
     assert p.propose(sampled, n, ids) == [[]]
