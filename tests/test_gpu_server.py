@@ -37,6 +37,9 @@ class FakeLlamaCpp:
     def llama_vocab_n_tokens(self, vocab):
         return 8
 
+    def llama_model_n_ctx_train(self, model):
+        return 8192
+
     def llama_context_default_params(self):
         return SimpleNamespace()
 
