@@ -274,9 +274,8 @@ class DuoProposer:
         return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, result)
 
     def _request_keys(self, rows: list[int]) -> list:
-        ids = getattr(getattr(self._runner, "input_batch", None), "req_ids", None)
-        if ids is None:
-            return list(rows)
+        """Each row's request id (vLLM's input batch), else ``("row", i)``."""
+        ids = getattr(getattr(self._runner, "input_batch", None), "req_ids", None) or []
         return [ids[i] if i < len(ids) and ids[i] is not None else ("row", i) for i in rows]
 
     def _lookups(self, keys, contexts, caps):
