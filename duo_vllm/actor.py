@@ -102,7 +102,7 @@ class DraftWorker:
         return self.backend.token_texts()
 
     def propose(self, contexts, max_tokens, target_step_s=None, temperatures=None,
-                per_token_s=None) -> list[list[int]]:
+                per_token_s=None, hints=None) -> list[list[int]]:
         """Drafts for one vLLM step (arguments: see :meth:`DuoDrafter.propose`).
 
         A pre-draft still running stops at its next decode boundary. A prefill
@@ -121,7 +121,8 @@ class DraftWorker:
         with self._state:
             self._waiting -= 1
             if not got:
-                self._stash = (contexts, max_tokens, target_step_s, temperatures, per_token_s)
+                self._stash = (contexts, max_tokens, target_step_s, temperatures, per_token_s,
+                               hints)
                 self.drafter.stats.skipped_busy += 1
         if not got:
             self._wake.set()
@@ -130,7 +131,8 @@ class DraftWorker:
             with self._state:
                 self._stash = None  # superseded by this step
             drafts = self.drafter.propose(contexts, max_tokens, target_step_s,
-                                          temperatures=temperatures, per_token_s=per_token_s)
+                                          temperatures=temperatures, per_token_s=per_token_s,
+                                          hints=hints)
             self._deadline = self.drafter.deadline_after(time.perf_counter())
         finally:
             self._lock.release()
@@ -185,9 +187,10 @@ class DraftWorker:
                         stash, self._stash = self._stash, None
                         prompts, self._prompts = self._prompts, []
                     if stash is not None:  # a step that went without a draft
-                        contexts, max_tokens, step, temps, per_token = stash
+                        contexts, max_tokens, step, temps, per_token, hints = stash
                         self.drafter.propose(contexts, max_tokens, step, serve=False,
-                                             temperatures=temps, per_token_s=per_token)
+                                             temperatures=temps, per_token_s=per_token,
+                                             hints=hints)
                         self._deadline = None
                     if prompts and self.drafter.prefetch(prompts):
                         self._deadline = None  # the target's prefill is no step

@@ -25,6 +25,7 @@ import numpy as np
 from .branching import (
     Branch, Tree, branch_candidates, select_branch, split_budget, top_candidates,
 )
+from .lookup import Hint, choose
 from .goodput import (
     PROBE_EVERY, Acceptance, DraftTimeModel, TargetCost, expected_accepted, plan_predraft,
     plan_served, plan_sync, regime,
@@ -152,14 +153,20 @@ class DuoDrafter:
     def propose(self, contexts: list[np.ndarray], max_tokens: list[int],
                 target_step_s: float | None = None, serve: bool = True,
                 temperatures: list[float] | None = None,
-                per_token_s: float | None = None) -> list[list[int]]:
+                per_token_s: float | None = None,
+                hints: list[Hint | None] | None = None) -> list[list[int]]:
         """Drafts for one step; queues the pre-draft of the next when ``parallel``.
 
         ``target_step_s`` and ``per_token_s`` are the target's T₀(B) and c
         for this batch (measured by the proposer); ``temperatures`` each
         request's sampling temperature (0: greedy). With ``serve=False``
         nothing is drafted now (vLLM has already gone on without a draft):
-        only the pre-draft for these contexts is queued.
+        only the pre-draft for these contexts is queued. ``hints`` are the
+        proposer's lookup drafts (:class:`duo_vllm.lookup.Hint`): the drafter
+        returns its own drafts, and pre-drafts from the end of what the
+        proposer will serve, :func:`duo_vllm.lookup.choose` of its own draft
+        and the hint (the same pure function, the same inputs), so a served lookup continuation finds its next
+        step's branches ready.
         """
         t0 = time.perf_counter()
         st = self.stats
@@ -196,11 +203,29 @@ class DuoDrafter:
             self.floor_streak += 1
         elif any(out[r.row] for r in rows):
             self.floor_streak = 0
-        extra = sum(len(d) for d in out)
-        self.expected_step_s = cost.step(extra)
-        self._plan_jobs(rows, out, cost, len(contexts))
+        served, p_served = self._served(rows, out, hints)
+        self.expected_step_s = cost.step(sum(len(d) for d in served))
+        self._plan_jobs(rows, served, p_served, cost, len(contexts))
         st.busy_s += time.perf_counter() - t0
         return out
+
+    def _served(self, rows: list[_Row], out, hints):
+        """What the proposer will serve per row, and the chance all of it is accepted."""
+        served = list(out)
+        p_all = {r.row: r.alpha ** len(out[r.row]) for r in rows}
+        for r in rows:
+            hint = hints[r.row] if hints is not None and r.row < len(hints) else None
+            if hint is None or not hint.tokens:
+                continue
+            draft, _ = choose(out[r.row], hint.tokens, hint.alpha_model, hint.alpha_lookup,
+                              hint.threshold)
+            if list(draft) != list(out[r.row]):
+                agree = common_prefix_len(np.asarray(draft, dtype=np.int32),
+                                          np.asarray(out[r.row], dtype=np.int32))
+                served[r.row] = list(draft)
+                p_all[r.row] = r.alpha ** agree * hint.alpha_lookup ** (len(draft) - agree)
+                self.stats.lookup_predrafts += 1
+        return served, p_all
 
     def _rows(self, contexts, max_tokens, temps, serve: bool) -> list[_Row]:
         """Match each request to its slot; find its pre-drafted branch, or what it lacks."""
@@ -374,8 +399,13 @@ class DuoDrafter:
             self.backend.remove(slot.seq_id, 0, -1)
             slot.tokens = np.zeros(0, dtype=np.int32)
 
-    def _plan_jobs(self, rows: list[_Row], out, cost: TargetCost, batch: int) -> None:
-        """The next step's pre-draft: which requests, how deep (the controller's plan)."""
+    def _plan_jobs(self, rows: list[_Row], out, p_served: dict, cost: TargetCost,
+                   batch: int) -> None:
+        """The next step's pre-draft: which requests, how deep (the controller's plan).
+
+        ``out`` is what each row is served this step; ``p_served`` the chance all
+        of it is accepted (the pre-draft's branches continue it).
+        """
         self.jobs = []
         policy = self.policy
         if not policy.predrafts:
@@ -390,7 +420,7 @@ class DuoDrafter:
             catch_up = [1 if r.background else
                         max(1, len(p) - common_prefix_len(r.slot.tokens, p))
                         for r, p in zip(rows, prefixes)]
-            hit_p = [r.alpha ** (len(out[r.row]) + 1) for r in rows]
+            hit_p = [p_served[r.row] * r.alpha for r in rows]
             depths = plan_predraft([r.alpha for r in rows], hit_p, [r.k for r in rows],
                                    catch_up, 0.9 * self.expected_step_s, self.draft_time,
                                    min_gain=cost.per_token * batch / cost.t0)

@@ -98,6 +98,21 @@ def combine(model: list[int], lookup: list[int], alpha_model: float,
     return (lookup, LOOKUP) if alpha_lookup > alpha_model else (model, MODEL)
 
 
+@dataclass(frozen=True)
+class Hint:
+    """A row's lookup draft and the inputs of :func:`choose`, for the drafter.
+
+    The proposer serves ``choose(model_draft, tokens, alpha_model,
+    alpha_lookup, threshold)``; the drafter, which makes the model draft,
+    computes the same and pre-drafts from its end.
+    """
+
+    tokens: list
+    alpha_model: float
+    alpha_lookup: float
+    threshold: float
+
+
 def paying_length(lead: float, alpha: float, n: int, threshold: float) -> int:
     """Tokens of an ``n``-token lookup tail worth verifying.
 

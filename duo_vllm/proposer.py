@@ -22,7 +22,7 @@ from .actor import DraftWorker, get_or_create_actor
 from .client import ActorClient
 from .config import DuoConfig, DuoConfigError, allowed_cpus, resolve_draft_cores
 from .goodput import DraftGate, StepTimeModel
-from .lookup import LOOKUP, MODEL, ContextLookup, choose
+from .lookup import LOOKUP, MODEL, ContextLookup, Hint, choose
 from .models import ModelNotFoundError, default_draft_gguf
 from .vllm_patches import fix_cpu_expand_kernel, install_new_request_hook
 from .vocab import check_vocab, target_token_texts
@@ -260,9 +260,10 @@ class DuoProposer:
             return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, None)
         cost = self.step_time.cost(len(rows))
         step_s, per_token_s = (None, None) if cost is None else (cost.t0, cost.per_token)
+        hints = self._hints(keys, temps_or_0, lookups)
         t0 = time.perf_counter()
         try:
-            result = self._draft(contexts, budgets, step_s, temps, per_token_s)
+            result = self._draft(contexts, budgets, step_s, temps, per_token_s, hints)
         finally:
             self._returned_at = time.perf_counter()
             self._calls += 1
@@ -271,7 +272,7 @@ class DuoProposer:
             result = [valid_prefix(d[:k], self.target_vocab_size)
                       for d, k in zip(result, budgets)]
         # result None: the draft side is slow, restarting or gone (lookups only)
-        return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, result)
+        return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, result, hints)
 
     def _request_keys(self, rows: list[int]) -> list:
         """Each row's request id (vLLM's input batch), else ``("row", i)``."""
@@ -286,20 +287,29 @@ class DuoProposer:
         return [valid_prefix(d, self.target_vocab_size)
                 for d in self.lookup.propose(contexts, caps)]
 
-    def _serve(self, drafts, rows, keys, contexts, temps, lookups, model):
+    def _hints(self, keys, temps, lookups) -> list[Hint] | None:
+        """Each row's lookup draft with the inputs of :func:`choose`: the proposer serves
+        what ``choose`` makes of them and the model's draft, and the drafter pre-drafts
+        from the end of the same."""
+        if lookups is None:
+            return None
+        # a lookup token pays where α > c · goodput, goodput ~ the plain step's
+        cost = self.step_time.cost(len(keys))
+        threshold = math.inf if cost is None else cost.per_token * len(keys) / cost.t0
+        return [Hint(list(d), self.lookup.alpha(MODEL, key, t), self.lookup.alpha(LOOKUP, key, t),
+                     threshold) for key, t, d in zip(keys, temps, lookups)]
+
+    def _serve(self, drafts, rows, keys, contexts, temps, lookups, model, hints=None):
         """The step's drafts: model drafts and lookup drafts combined per row."""
         if lookups is None and model is not None:
             for i, d in zip(rows, model):
                 drafts[i] = d
         elif lookups is not None:
-            # a lookup token pays where α > c · goodput, goodput ~ the plain step's
-            cost = self.step_time.cost(len(rows))
-            threshold = math.inf if cost is None else cost.per_token * len(rows) / cost.t0
+            hints = hints or self._hints(keys, temps, lookups)
             for j, i in enumerate(rows):
                 m = model[j] if model is not None else []
-                a_m = self.lookup.alpha(MODEL, keys[j], temps[j])
-                a_l = self.lookup.alpha(LOOKUP, keys[j], temps[j])
-                served, source = choose(m, lookups[j], a_m, a_l, threshold)
+                h = hints[j]
+                served, source = choose(m, h.tokens, h.alpha_model, h.alpha_lookup, h.threshold)
                 drafts[i] = served
                 self.lookup.remember(keys[j], len(contexts[j]), temps[j],
                                      {LOOKUP: lookups[j], MODEL: m}, source, served)
@@ -339,12 +349,12 @@ class DuoProposer:
         else:
             self._worker.prefetch(prompts)
 
-    def _draft(self, contexts, budgets, step_s, temps=None,
-               per_token_s=None) -> list[list[int]] | None:
+    def _draft(self, contexts, budgets, step_s, temps=None, per_token_s=None,
+               hints=None) -> list[list[int]] | None:
         if self._client is not None:
-            return self._client.propose(contexts, budgets, step_s, temps, per_token_s)
+            return self._client.propose(contexts, budgets, step_s, temps, per_token_s, hints)
         try:
-            return self._worker.propose(contexts, budgets, step_s, temps, per_token_s)
+            return self._worker.propose(contexts, budgets, step_s, temps, per_token_s, hints)
         except Exception as e:  # the draft side must never take the request down
             self._failed = True
             logger.warning("DuoProposer: draft side failed (%s: %s); falling back to plain "

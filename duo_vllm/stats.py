@@ -42,6 +42,7 @@ class DraftStats:
     floor_steps: int = 0  # steps the controller chose plain decoding for every request
     no_slot: int = 0  # request-steps left to plain decoding: every draft slot was in use
     probes: int = 0  # drafts made only to re-measure acceptance
+    lookup_predrafts: int = 0  # pre-drafts planned from the end of a served lookup draft
     errors: int = 0
     busy_s: float = 0.0
     started: float | None = None  # the first step
@@ -72,6 +73,7 @@ class DraftStats:
             "floor_fraction": self.floor_steps / self.steps if self.steps else 0.0,
             "no_slot": self.no_slot,
             "probes": self.probes,
+            "lookup_predrafts": self.lookup_predrafts,
             "errors": self.errors,
             "busy_fraction": self.busy_s / wall if wall > 0 else 0.0,
         }

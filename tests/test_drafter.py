@@ -473,3 +473,41 @@ def test_stats_do_not_wait_out_a_background_prefill():
         assert draft == be.chain(b, 3)
     finally:
         w.close()
+
+
+def test_a_served_lookup_continuation_is_pre_drafted_from_its_end():
+    """The proposer serves choose(model draft, lookup); the drafter pre-drafts from the
+    end of the same, so the step after an accepted lookup finds its branch ready."""
+    from duo_vllm.lookup import Hint
+
+    be, d = make(DraftPolicy(k=4, parallel=True, budget=2, multi_sequence=False))
+    prompt = ctx(1, 2)
+    model = be.chain(2, 2)
+    lookup = be.chain(2, 5)  # agrees with the model's draft and goes 3 tokens further
+    (draft,) = d.propose([prompt], [4], hints=[Hint(lookup, 0.9, 0.8, 0.0)])
+    assert draft == model  # the drafter returns its own draft; the proposer combines
+    assert list(d.jobs[0].prefix) == [1, 2, *lookup]
+    assert d.stats.lookup_predrafts == 1
+    d.predraft()
+    # the target accepted all five lookup tokens and added its own next one
+    nxt = be.next_token(lookup[-1])
+    (draft2,) = d.propose([ctx(1, 2, *lookup, nxt)], [4])
+    assert d.stats.predraft_hits == 1 and draft2 == be.chain(nxt, 2)
+
+
+@pytest.mark.parametrize("lookup,alpha_lookup,threshold,served", [
+    ([9, 9, 9], 0.5, 0.0, "model"),  # they part and the model is likelier: its draft
+    ([9, 9, 9], 0.99, 0.0, "lookup"),  # they part and the lookup is likelier
+    (None, 0.8, 0.95, "model"),  # agreeing tail that does not pay for its verification
+])
+def test_the_pre_draft_continues_what_the_proposer_serves(lookup, alpha_lookup, threshold,
+                                                          served):
+    from duo_vllm.lookup import Hint, choose
+
+    be, d = make(DraftPolicy(k=4, parallel=True, budget=2, multi_sequence=False))
+    lookup = be.chain(2, 4) if lookup is None else lookup
+    hint = Hint(lookup, 0.9, alpha_lookup, threshold)
+    (own,) = d.propose([ctx(1, 2)], [4], hints=[hint])
+    want, source = choose(own, hint.tokens, hint.alpha_model, hint.alpha_lookup, hint.threshold)
+    assert source == served
+    assert list(d.jobs[0].prefix) == [1, 2, *want]

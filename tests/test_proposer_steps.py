@@ -16,9 +16,10 @@ class FakeWorker:
         self.calls = []
         self.drafts = drafts
 
-    def propose(self, contexts, budgets, step_s, temps=None, per_token_s=None):
+    def propose(self, contexts, budgets, step_s, temps=None, per_token_s=None, hints=None):
         self.calls.append(dict(contexts=[list(c) for c in contexts], budgets=budgets,
-                               step_s=step_s, temps=temps, per_token_s=per_token_s))
+                               step_s=step_s, temps=temps, per_token_s=per_token_s,
+                               hints=hints))
         return self.drafts or [[1, 2, 3, 4] for _ in contexts]
 
     def stats(self):
@@ -184,7 +185,7 @@ def test_lookup_drafts_are_served_when_the_draft_model_is_off_and_scored_per_sou
 
 
 def test_lookup_and_model_drafts_are_combined_by_agreement(clock):
-    from duo_vllm.lookup import ContextLookup
+    from duo_vllm.lookup import ContextLookup, choose
 
     w = FakeWorker(drafts=[[7, 8]])  # the model agrees with the lookup's start
     p = bare(w, k=2)
@@ -195,6 +196,11 @@ def test_lookup_and_model_drafts_are_combined_by_agreement(clock):
         p.step_time.observe(1, e, 0.050 + 0.0001 * e)
     sampled, n, ids = inputs([[5, 6, 7, 8, 9, 10, 5, 6]])
     assert p.propose(sampled, n, ids) == [[7, 8, 9, 10]]  # the longer of two that agree
+    # the drafter is told the lookup and choose()'s inputs: it pre-drafts from the same end
+    (hint,) = w.calls[-1]["hints"]
+    assert hint.tokens == [7, 8, 9, 10]
+    assert choose([7, 8], hint.tokens, hint.alpha_model, hint.alpha_lookup,
+                  hint.threshold)[0] == [7, 8, 9, 10]
     w.drafts = [[3, 4]]  # the model disagrees: the source more likely accepted wins
     sampled, n, ids = inputs([[5, 6, 7, 8, 9, 10, 5, 6, 7, 1, 5, 6]])
     assert p.propose(sampled, n, ids) == [[3, 4]]  # model prior 0.7 > lookup's measured
