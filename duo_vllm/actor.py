@@ -14,8 +14,9 @@ import os
 import threading
 import time
 
-from .config import DuoConfig, DuoConfigError, allowed_cpus
+from .config import DuoConfig, DuoConfigError, allowed_cpus, choose_cores, read_host
 from .drafter import DraftPolicy, DuoDrafter
+from .host import draft_threads
 
 logger = logging.getLogger(__name__)
 
@@ -45,35 +46,44 @@ class DraftWorker:
                  backend_factory=None):
         config = DuoConfig.from_dict(cfg)
         self.cores = pin_process(cores) if cores else sorted(os.sched_getaffinity(0))
-        n_threads = config.n_threads or len(self.cores)
+        n_threads, too_many = draft_threads(config.n_threads, len(self.cores))
+        if too_many:
+            logger.warning("DuoProposer: %s", too_many)
         policy = make_policy(config, k)
-        n_seq = config.max_sequences * policy.max_branches
+        room = policy.max_branches * (k + 2)  # the branches' own tokens, per request
+        self.limits = None
+
+        def size(n_ctx_train: int) -> tuple[int, int]:
+            """llama.cpp's context (cells, sequences), once the model says its training
+            context: one n_ctx per request, plus room for the branches' own tokens."""
+            self.limits = config.draft_limits(n_ctx_train, policy.max_branches)
+            rows = self.limits.max_sequences
+            return rows * (self.limits.n_ctx + room), rows * policy.max_branches
+
         self.draft_file = model_path
         if backend_factory is None:
             from .backends.llama_cpp import LlamaCppBackend
             from .models import prepare_draft
 
             self.draft_file = prepare_draft(model_path, config.draft_quant, log=logger.info)
-            # one n_ctx per request, plus room for the branches' own tokens
-            n_ctx = config.max_sequences * (config.n_ctx + policy.max_branches * (k + 2))
-            backend = LlamaCppBackend(self.draft_file, n_ctx=n_ctx, n_seq=n_seq,
-                                      n_threads=n_threads, n_gpu_layers=config.draft_gpu_layers)
+            backend = LlamaCppBackend(self.draft_file, n_ctx=None, n_seq=None,
+                                      n_threads=n_threads,
+                                      n_gpu_layers=config.draft_gpu_layers, size=size)
         else:
             backend = backend_factory(config)
         self.backend = backend
-        n_ctx_train = getattr(backend, "n_ctx_train", 0)
-        if 0 < n_ctx_train < config.n_ctx:
-            logger.warning("DuoProposer: n_ctx %d is above the draft model's training context "
-                           "(%d tokens); its drafts past that may be poor. Fix: set the "
-                           "option n_ctx to at most %d", config.n_ctx, n_ctx_train, n_ctx_train)
-        self.drafter = DuoDrafter(backend, config.max_sequences, config.n_ctx, policy)
+        if self.limits is None:  # a backend that did not ask (tests)
+            size(getattr(backend, "n_ctx_train", 0))
+        for warning in self.limits.warnings:
+            logger.warning("DuoProposer: %s", warning)
+        self.drafter = DuoDrafter(backend, self.limits.max_sequences, self.limits.n_ctx, policy)
         self.model_path, self.n_threads, self.k = model_path, n_threads, k
         self._lock = threading.Lock()  # the drafter and the llama.cpp context
         self._state = threading.Lock()  # _waiting and _stash
         self._waiting = 0  # propose() calls waiting for the drafter
         self._stash = None  # contexts of a step that could not wait for the drafter
         self._prompts: list = []  # prompts vLLM is prefilling, for the background thread
-        self._max_prompts = config.max_sequences
+        self._max_prompts = self.limits.max_sequences
         self._lock_wait_s, self._proposes = 0.0, 0  # steps' waits for a decode under way
         self._wake = threading.Event()
         self._closed = False
@@ -95,6 +105,8 @@ class DraftWorker:
             "cores": self.cores,
             "n_threads": self.n_threads,
             "k": self.k,
+            "n_ctx": self.limits.n_ctx,  # per request (derive_draft_limits)
+            "max_sequences": self.limits.max_sequences,
             "policy": self.drafter.policy.__dict__,
         }
 
@@ -235,13 +247,33 @@ class DraftWorker:
 
 
 class DraftActor(DraftWorker):
-    """DraftWorker as the Ray actor: its log lines in vLLM's format (no vLLM there)."""
+    """DraftWorker as the Ray actor: its log lines in vLLM's format (no vLLM there).
 
-    def __init__(self, *args, **kwargs):
+    Without cores from the proposer (placed by ``resources``, maybe on another
+    node) it chooses a few physical cores of the node it runs on.
+    """
+
+    def __init__(self, cfg: dict, model_path: str, cores: list[int] | None, k: int,
+                 backend_factory=None):
         from .logs import setup_actor_logging
 
         setup_actor_logging()
-        super().__init__(*args, **kwargs)
+        if not cores:
+            cores = node_draft_cores(DuoConfig.from_dict(cfg))
+        super().__init__(cfg, model_path, cores, k, backend_factory)
+
+
+def node_draft_cores(config: DuoConfig, available: list[int] | None = None,
+                     environ: dict | None = None, host=None) -> list[int]:
+    """The draft's cores chosen on the node the actor runs on (its own CPU list,
+    binding and quota; no GPU lookup: a remote node's GPU is not vLLM's), logged."""
+    available = allowed_cpus() if available is None else available
+    host = read_host(available, gpu=False) if host is None else host
+    choice = choose_cores(config, available, os.environ if environ is None else environ, host)
+    threads, _ = draft_threads(config.n_threads, len(choice.cores))
+    logger.info("DuoProposer: draft cores %s on node %s, %d llama.cpp thread(s): %s",
+                choice.cores, os.uname().nodename, threads, choice.reason)
+    return choice.cores
 
 
 def _ray_node_id() -> str | None:

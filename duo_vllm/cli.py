@@ -188,6 +188,9 @@ def build_serve_command(argv: list[str], environ: dict | None = None,
                         default_model=None) -> tuple[list[str], dict, argparse.Namespace]:
     """(command, environment, our options) for ``duo-vllm serve argv``; starts nothing.
 
+    ``$DUO_VLLM_CONFIG``, if set, is named in ``VLLM_RAY_EXTRA_ENV_VARS_TO_COPY``
+    so that vLLM's Ray executors forward it (:func:`duo_vllm.config.forward_to_ray_workers`).
+
     ``default_model``: a callable giving the target when none is named (default:
     :func:`duo_vllm.models.prepare_default_target`).
     """
@@ -213,6 +216,9 @@ def build_serve_command(argv: list[str], environ: dict | None = None,
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.target_cores
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", default_target_cores())
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from .config import forward_to_ray_workers
+
+    env = forward_to_ray_workers(env)  # $DUO_VLLM_CONFIG under vLLM's legacy Ray executor
     vllm_args = list(passthrough)
     if model is None and not _has_flag(passthrough, "--model"):
         if default_model is None:

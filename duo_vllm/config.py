@@ -17,9 +17,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from .backends.llama_cpp import QUANT_FTYPES
+from .host import (
+    CoreChoice, Topology, cgroup_cpu_limit, choose_draft_cores, draft_threads, gpu_numa_node,
+    parse_cpu_list, read_topology,
+)
 
 ENV_VAR = "DUO_VLLM_CONFIG"
 EXTRA_CONFIG_KEY = "duo"
+INTERNAL_OPTIONS = frozenset({"vllm_limits"})  # set by DuoProposer, never by users
+_VLLM_LIMIT_KEYS = ("given", "max_model_len", "max_num_seqs")
+
+DEFAULT_N_CTX = 2048  # n_ctx where neither the user nor vLLM says (DraftWorker on its own)
+DEFAULT_MAX_SEQUENCES = 8  # the fewest requests the draft keeps unless the user says
+# llama.cpp's LLAMA_MAX_SEQ (llama_max_parallel_sequences()): sequences one context
+# holds. The draft uses max_sequences * max_branches of them (a branch is a sequence).
+LLAMA_MAX_SEQ = 256
+# KV cells the derived defaults may ask for: max_sequences * n_ctx <= this. llama.cpp
+# allocates (and zeroes) the whole KV cache at start-up: 65536 tokens are 1.5 GB of
+# f16 K and V for SmolLM2-135M (30 layers x 3 KV heads x 64 x 2 x 2 bytes = 22.5 KiB
+# a token), 2 GiB for a 1B draft with 16 layers x 8 KV heads (32 KiB a token). That
+# is 8 requests at 8192 tokens (the default draft's training context) or 32 at 2048.
+DRAFT_KV_TOKENS = 65536
 
 
 class DuoConfigError(ValueError):
@@ -39,9 +57,12 @@ class DuoConfig:
             are. ``"keep"``: always as is. ``"q8_0"``, ``"q4_0"``,
             ``"iq4_nl"``, ``"f16"``: re-quantise to that type (the 4-bit ones
             lose accuracy, hence acceptance, for speed).
-        draft_cores: CPU ids the draft actor is pinned to. ``None`` picks the
-            cores vLLM's CPU binding leaves free (the last core if none is).
-        n_threads: llama.cpp threads; ``None`` means one per draft core.
+        draft_cores: CPU ids the draft actor is pinned to. ``None``: a few
+            physical cores (:func:`duo_vllm.host.choose_draft_cores`): free ones
+            of vLLM's CPU binding, or, where vLLM binds none (GPU vLLM), some of
+            one NUMA node's, the GPU's where known (the last core if none is free).
+        n_threads: llama.cpp threads; ``None`` means one per draft core, at most
+            ``host.MAX_DRAFT_THREADS`` (8); never more than the draft's cores.
         max_draft_len: Most tokens drafted per request per step; ``None`` means
             vLLM's ``num_speculative_tokens`` (larger values are clamped to it).
         use_actor: Run the draft in a Ray actor (``True``) or in the vLLM
@@ -51,9 +72,12 @@ class DuoConfig:
         ray_address: ``None`` starts (or reuses) a local Ray instance;
             ``"auto"`` or ``"ray://..."``/``"host:port"`` joins a cluster.
         n_ctx: llama.cpp context per sequence, in tokens. Longer requests get
-            no draft (plain decoding) rather than an error.
+            no draft (plain decoding) rather than an error. Unset: vLLM's
+            ``max_model_len``; either way at most the draft model's training
+            context (see :func:`derive_draft_limits`).
         max_sequences: Requests whose draft state the actor keeps at once
-            (least recently used states are dropped beyond it).
+            (least recently used states are dropped beyond it). Unset: vLLM's
+            ``max_num_seqs``, within a bound on the draft's KV cache.
         propose_timeout_s: Longest the proposer waits for the actor in one
             step before that step goes without a draft. ``"auto"``: the
             actor's usual answer time plus half a target step (measured).
@@ -85,6 +109,9 @@ class DuoConfig:
             0 (the default) keeps the draft on the CPU and hides the GPUs from
             the draft actor, whatever llama.cpp build is installed: a GPU build
             would otherwise take GPU memory before vLLM measures it. -1: all.
+        vllm_limits: Not a user option: set by DuoProposer (:meth:`follow_vllm`)
+            to vLLM's ``max_num_seqs`` and ``max_model_len`` and the names of the
+            options the user set, for the actor's :func:`derive_draft_limits`.
     """
 
     draft_model: str | None = None
@@ -110,6 +137,7 @@ class DuoConfig:
     lookup: bool = True
     lookup_min: int = 2
     lookup_max: int = 8
+    vllm_limits: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         cores = self.draft_cores
@@ -173,6 +201,10 @@ class DuoConfig:
                                  f"got {self.draft_quant!r}")
         if self.draft_model is not None and not isinstance(self.draft_model, str):
             raise DuoConfigError(f"draft_model must be a path string, got {self.draft_model!r}")
+        v = self.vllm_limits
+        if v is not None and not (isinstance(v, dict) and set(v) == set(_VLLM_LIMIT_KEYS)):
+            raise DuoConfigError(f"vllm_limits is set by DuoProposer (keys {_VLLM_LIMIT_KEYS}), "
+                                 f"got {v!r}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DuoConfig":
@@ -186,7 +218,9 @@ class DuoConfig:
             raise DuoConfigError(
                 f"unknown DuoProposer option(s) {unknown}; valid options are {sorted(known)}"
             )
-        return cls(**data)
+        cfg = cls(**data)
+        object.__setattr__(cfg, "_given", frozenset(data))  # what follow_vllm must not change
+        return cfg
 
     @classmethod
     def from_sources(cls, extra_config: dict[str, Any] | None = None,
@@ -207,7 +241,40 @@ class DuoConfig:
                     f"must be a JSON object, got {type(section).__name__}"
                 )
             merged.update(section)
+        if INTERNAL_OPTIONS & set(merged):
+            known = sorted({f.name for f in dataclasses.fields(cls)} - INTERNAL_OPTIONS)
+            raise DuoConfigError(f"unknown DuoProposer option(s) "
+                                 f"{sorted(INTERNAL_OPTIONS & set(merged))}; valid options are "
+                                 f"{known}")
         return cls.from_dict(merged)
+
+    def follow_vllm(self, vllm_config) -> "DuoConfig":
+        """This config with vLLM's ``max_num_seqs`` and ``max_model_len`` attached, for
+        the options the user left unset (the actor resolves them once it knows the
+        draft model's training context: :func:`derive_draft_limits`)."""
+        sched = getattr(vllm_config, "scheduler_config", None)
+        model = getattr(vllm_config, "model_config", None)
+
+        def positive(value):
+            return value if isinstance(value, int) and not isinstance(value, bool) \
+                and value > 0 else None
+        given = getattr(self, "_given", None)
+        if given is None:  # built in code, not from options: what differs from the default
+            defaults = DuoConfig()
+            given = {n for n in ("n_ctx", "max_sequences")
+                     if getattr(self, n) != getattr(defaults, n)}
+        return dataclasses.replace(self, vllm_limits={
+            "max_num_seqs": positive(getattr(sched, "max_num_seqs", None)),
+            "max_model_len": positive(getattr(model, "max_model_len", None)),
+            "given": sorted(n for n in ("n_ctx", "max_sequences") if n in given)})
+
+    def draft_limits(self, n_ctx_train: int | None, max_branches: int) -> "DraftLimits":
+        """n_ctx and max_sequences for a draft model trained on ``n_ctx_train`` tokens."""
+        v = self.vllm_limits or {"max_num_seqs": None, "max_model_len": None,
+                                 "given": ["n_ctx", "max_sequences"]}
+        user = {n: getattr(self, n) for n in v["given"]}
+        return derive_draft_limits(v["max_num_seqs"], v["max_model_len"], n_ctx_train, user,
+                                   max_branches)
 
     def fixed_budget(self) -> int | None:
         """The fixed per-request budget, or ``None`` for ``"auto"``."""
@@ -218,6 +285,108 @@ class DuoConfig:
         if self.draft_cores is not None:
             data["draft_cores"] = list(self.draft_cores)
         return data
+
+
+@dataclass(frozen=True)
+class DraftLimits:
+    """The draft's context per request and number of requests, and why not more."""
+
+    n_ctx: int
+    max_sequences: int
+    warnings: tuple[str, ...] = ()
+
+
+def derive_draft_limits(max_num_seqs: int | None, max_model_len: int | None,
+                        n_ctx_train: int | None, user: dict[str, int],
+                        max_branches: int = 4) -> DraftLimits:
+    """n_ctx and max_sequences from vLLM's limits, where the user set neither.
+
+    ``user``: the options the user set, of ``n_ctx`` and ``max_sequences``
+    (kept, but bounded as below). ``n_ctx_train``: the draft model's training
+    context (0 or ``None``: unknown). ``max_num_seqs``, ``max_model_len``:
+    vLLM's (``None``: unknown, then 2048 and 8).
+
+    * n_ctx: vLLM's ``max_model_len``, so long conversations keep their drafts;
+      at most the draft's training context (past it the draft's predictions
+      are poor) and at most ``DRAFT_KV_TOKENS / 8`` (8192), so that 8 requests
+      still fit the KV bound. A user's n_ctx is bounded by the training context only.
+    * max_sequences: vLLM's ``max_num_seqs`` (at least 8: slots beyond the
+      running requests let a new prompt prefill before the slot of the request
+      it replaces is released), at most ``DRAFT_KV_TOKENS // n_ctx`` (memory)
+      and ``LLAMA_MAX_SEQ // max_branches`` (llama.cpp refuses more sequences;
+      that bound applies to a user's value too).
+
+    A warning for each limit vLLM's values, or the user's, cannot follow.
+    """
+    warnings = []
+    train = n_ctx_train if n_ctx_train and n_ctx_train > 0 else None
+    if "n_ctx" in user:
+        n_ctx = int(user["n_ctx"])
+        if train and n_ctx > train:
+            warnings.append(f"n_ctx {n_ctx} is above the draft model's training context "
+                            f"({train} tokens); using {train}. Fix: set the option n_ctx to "
+                            f"at most {train}")
+            n_ctx = train
+    else:
+        n_ctx = max_model_len or DEFAULT_N_CTX
+        bounds = [(DRAFT_KV_TOKENS // DEFAULT_MAX_SEQUENCES,
+                   f"the draft's KV cache bound ({DRAFT_KV_TOKENS} tokens for at least "
+                   f"{DEFAULT_MAX_SEQUENCES} requests)")]
+        if train:
+            bounds.append((train, f"the draft model's training context ({train} tokens)"))
+        bound, why = min(bounds)
+        if n_ctx > bound:
+            if max_model_len:
+                warnings.append(
+                    f"vLLM's max_model_len {max_model_len} is above {why}: the draft reads "
+                    f"requests of up to {bound} tokens (n_ctx {bound}); longer ones get no "
+                    f"drafts from the draft model (lookup drafts still). The option n_ctx "
+                    f"sets it" + ("" if train and bound == train else
+                                  " (the KV cache holds max_sequences x n_ctx tokens)"))
+            n_ctx = bound
+    seq_cap = max(1, LLAMA_MAX_SEQ // max(1, max_branches))
+    if "max_sequences" in user:
+        rows = int(user["max_sequences"])
+        if rows > seq_cap:
+            warnings.append(f"max_sequences {rows} with max_branches {max_branches} needs "
+                            f"{rows * max_branches} llama.cpp sequences, more than its "
+                            f"{LLAMA_MAX_SEQ}; using {seq_cap}. Fix: set max_sequences to at "
+                            f"most {seq_cap}, or lower max_branches")
+            rows = seq_cap
+    else:
+        kv_cap = max(1, DRAFT_KV_TOKENS // n_ctx)
+        rows = min(max(DEFAULT_MAX_SEQUENCES, max_num_seqs or 0), seq_cap, kv_cap)
+        if max_num_seqs and rows < max_num_seqs:
+            why = (f"llama.cpp's {LLAMA_MAX_SEQ} sequences over {max_branches} branches"
+                   if rows == seq_cap else
+                   f"the draft's KV cache bound, {DRAFT_KV_TOKENS} tokens at n_ctx {n_ctx}")
+            warnings.append(f"vLLM's max_num_seqs {max_num_seqs} is more than the {rows} "
+                            f"requests the draft keeps ({why}): with more running, the least "
+                            f"recently drafted get no drafts from the draft model. The option "
+                            f"max_sequences sets it (the KV cache holds max_sequences x n_ctx "
+                            f"tokens)")
+    return DraftLimits(n_ctx, rows, tuple(warnings))
+
+
+RAY_EXTRA_ENV = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
+
+
+def forward_to_ray_workers(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with ``DUO_VLLM_CONFIG`` named in ``VLLM_RAY_EXTRA_ENV_VARS_TO_COPY``
+    (comma-separated, added to what is there) when it is set.
+
+    vLLM's legacy Ray executor (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``) and its
+    Ray data-parallel engines copy to their processes only the variables
+    ``vllm.ray.ray_env.get_env_vars_to_copy`` names: vLLM's own, some prefixes
+    (``VLLM_``, ``HF_``, ...) and that list. vLLM reads the list in the process
+    that starts them, so it must be in the environment vLLM starts with.
+    """
+    if not env.get(ENV_VAR):
+        return env
+    names = [n.strip() for n in env.get(RAY_EXTRA_ENV, "").split(",") if n.strip()]
+    if ENV_VAR in names:
+        return env
+    return {**env, RAY_EXTRA_ENV: ",".join(names + [ENV_VAR])}
 
 
 def parse_json_option(raw: str, source: str) -> dict[str, Any]:
@@ -241,46 +410,34 @@ def parse_json_option(raw: str, source: str) -> dict[str, Any]:
     return data
 
 
-def parse_cpu_list(spec: str) -> list[int]:
-    """Parse a Linux CPU list such as ``"0,2-4"`` into ``[0, 2, 3, 4]``."""
-    cpus: list[int] = []
-    for part in spec.replace("{", "").replace("}", "").split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if "-" in part:
-            lo, hi = part.split("-", 1)
-            cpus.extend(range(int(lo), int(hi) + 1))
-        else:
-            cpus.append(int(part))
-    return cpus
-
-
 def target_cores(environ: dict[str, str] | None = None) -> list[int] | None:
     """Cores vLLM's CPU worker binds its OpenMP threads to, if it says.
 
     Inside the worker vLLM exports ``OMP_PLACES`` (auto binding); a user may
-    set ``VLLM_CPU_OMP_THREADS_BIND`` explicitly. ``None`` when neither
-    names cores (``auto`` outside the worker, ``nobind``, or unset).
+    set ``VLLM_CPU_OMP_THREADS_BIND`` explicitly, one list per rank separated
+    by ``|`` (all ranks' cores count as taken). ``None`` when neither names
+    cores (``auto`` outside the worker, ``nobind``, or unset; GPU vLLM).
     """
     environ = os.environ if environ is None else environ
+    bind = environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
     places = environ.get("OMP_PLACES", "")
-    if places.startswith("{"):
+    if places.startswith("{") and "|" not in bind:
         try:
             return parse_cpu_list(places)
         except ValueError:
             pass
-    bind = environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    if bind not in ("auto", "nobind", "all") and "|" not in bind:
+    if bind not in ("auto", "nobind", "all"):
         try:
-            return parse_cpu_list(bind)
+            return sorted({c for part in bind.split("|") for c in parse_cpu_list(part)})
         except ValueError:
             return None
     return None
 
 
 def default_draft_cores(available: list[int], taken: list[int] | None) -> tuple[list[int], bool]:
-    """Cores for the draft: those of ``available`` not in ``taken``.
+    """Cores for the draft: those of ``available`` not in ``taken`` (the rule before
+    :func:`duo_vllm.host.choose_draft_cores`, which also bounds their number and
+    avoids the target's hyperthreads; kept for its callers).
 
     Returns ``(cores, shared)``; ``shared`` is True when vLLM leaves no core
     free and the draft has to share the last one with the target.
@@ -316,10 +473,24 @@ def allowed_cpus() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-def resolve_draft_cores(cfg: DuoConfig, available: list[int] | None = None,
-                        environ: dict[str, str] | None = None) -> tuple[list[int], bool]:
-    """Validate or choose the draft cores. Returns ``(cores, shared_with_target)``."""
-    available = sorted(allowed_cpus() if available is None else available)
+@dataclass(frozen=True)
+class HostFacts:
+    """What the core choice reads from the host (tests build their own)."""
+
+    topology: Topology
+    quota: int | None  # the cgroup's CPU quota, in CPUs (None: no quota)
+    gpu_node: int | None  # the NUMA node of vLLM's GPU (None: unknown, or no GPU)
+
+
+def read_host(cpus: list[int], gpu: bool = True) -> HostFacts:
+    """The host's topology, CPU quota and (with ``gpu``) the GPU's NUMA node."""
+    return HostFacts(read_topology(cpus), cgroup_cpu_limit(), gpu_numa_node() if gpu else None)
+
+
+def choose_cores(cfg: DuoConfig, available: list[int], environ: dict[str, str],
+                 host: HostFacts) -> CoreChoice:
+    """The draft's cores: ``draft_cores`` as given (checked), else the host's choice."""
+    available = sorted(available)
     taken = target_cores(environ)
     if cfg.draft_cores is not None:
         missing = [c for c in cfg.draft_cores if c not in available]
@@ -329,5 +500,23 @@ def resolve_draft_cores(cfg: DuoConfig, available: list[int] | None = None,
                 f"are not allowed for this process; available CPUs: {available}"
             )
         shared = bool(taken) and bool(set(cfg.draft_cores) & set(taken))
-        return list(cfg.draft_cores), shared
-    return default_draft_cores(available, taken)
+        return CoreChoice(list(cfg.draft_cores), shared, "the draft_cores option")
+    return choose_draft_cores(available, taken, host.topology, host.quota, host.gpu_node)
+
+
+def resolve_draft_cores(cfg: DuoConfig, available: list[int] | None = None,
+                        environ: dict[str, str] | None = None,
+                        host: HostFacts | None = None) -> tuple[list[int], bool]:
+    """Validate or choose the draft cores and log the choice. Returns
+    ``(cores, shared_with_target)``."""
+    available = sorted(allowed_cpus() if available is None else available)
+    environ = os.environ if environ is None else environ
+    if host is None and cfg.draft_cores is None:
+        host = read_host(available)
+    choice = choose_cores(cfg, available, environ, host or HostFacts(Topology({}, {}), None, None))
+    threads, _ = draft_threads(cfg.n_threads, len(choice.cores))
+    from .logs import vllm_logger
+
+    vllm_logger("duo_vllm.config").info("DuoProposer: draft cores %s, %d llama.cpp thread(s): %s",
+                                        choice.cores, threads, choice.reason)
+    return choice.cores, choice.shared

@@ -111,6 +111,7 @@ class DuoProposer:
         if spec.draft_load_config is not None:
             extra = spec.draft_load_config.model_loader_extra_config
         cfg = DuoConfig.from_sources(extra)
+        cfg = cfg.follow_vllm(vllm_config)  # unset n_ctx, max_sequences follow vLLM's limits
         drafts, dp_rank = parallel_role(vllm_config)
         if dp_rank:  # each data-parallel replica has a draft actor of its own
             cfg = dataclasses.replace(cfg, actor_name=f"{cfg.actor_name}_dp{dp_rank}")

@@ -32,7 +32,8 @@ def _install_log_filter(llama_cpp) -> None:
             if "n_ctx_seq" in message and "n_ctx_train" in message:
                 # With the unified KV cache every sequence may address all cells, so
                 # llama.cpp compares the whole cache with the training context. Each
-                # request is kept to n_ctx; DraftWorker checks that against n_ctx_train.
+                # request is kept to n_ctx, itself at most n_ctx_train (the ``size``
+                # DraftWorker passes: config.derive_draft_limits).
                 return
             logger.warning("llama.cpp: %s", message)
 
@@ -88,10 +89,15 @@ def requantize(src: str, dst: str, quant: str, n_threads: int = 1) -> None:
 
 
 class LlamaCppBackend:
-    """A llama.cpp model and context for up to ``n_seq`` sequences, ``n_ctx`` cells in all."""
+    """A llama.cpp model and context for up to ``n_seq`` sequences, ``n_ctx`` cells in all.
 
-    def __init__(self, model_path: str, n_ctx: int, n_seq: int, n_threads: int,
-                 n_batch: int = 512, n_gpu_layers: int = 0):
+    ``size``: instead of ``n_ctx`` and ``n_seq``, a function of the model's
+    training context that returns them, called once the model is loaded and
+    before the KV cache is allocated (the draft's limits depend on it).
+    """
+
+    def __init__(self, model_path: str, n_ctx: int | None, n_seq: int | None, n_threads: int,
+                 n_batch: int = 512, n_gpu_layers: int = 0, size=None):
         import llama_cpp  # imported here: the package must be importable without it
 
         if not os.path.isfile(model_path):
@@ -99,7 +105,6 @@ class LlamaCppBackend:
         self._lib = llama_cpp
         self.name = os.path.basename(model_path)
         self.n_batch = n_batch
-        self.n_seq = n_seq
         _install_log_filter(llama_cpp)
         llama_cpp.llama_backend_init()
 
@@ -116,6 +121,9 @@ class LlamaCppBackend:
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
         self.n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(self._model))
+        if size is not None:
+            n_ctx, n_seq = size(self.n_ctx_train)
+        self.n_ctx, self.n_seq = n_ctx, n_seq
 
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx
