@@ -24,7 +24,7 @@ from .config import DuoConfig, DuoConfigError, allowed_cpus, resolve_draft_cores
 from .goodput import DraftGate, StepTimeModel
 from .lookup import LOOKUP, MODEL, ContextLookup, Hint, choose
 from .models import ModelNotFoundError, default_draft_gguf
-from .vllm_patches import fix_cpu_expand_kernel, install_new_request_hook
+from .vllm_patches import check_vllm, fix_cpu_expand_kernel, install_new_request_hook
 from .vocab import check_vocab, target_token_texts
 
 
@@ -106,6 +106,7 @@ class DuoProposer:
     """Drafts on CPU cores of their own through a named Ray actor."""
 
     def __init__(self, vllm_config):
+        check_vllm(vllm_config)  # V1 model runner, supported versions: else stop here, saying why
         spec = vllm_config.speculative_config
         extra = None
         if spec.draft_load_config is not None:

@@ -16,11 +16,19 @@ requests do not use it and stay exact). The fix below is a plain PyTorch
 implementation of the kernel's contract.
 
 ``new_request_hook``: see :func:`install_new_request_hook` below.
+
+``check_vllm``: start-up checks that this vLLM is one the plugin is written
+for (versions in :data:`SUPPORTED_VLLM`, V1's model runner); a mismatch
+fails vLLM's start-up with what to change, or warns, instead of breaking
+deep in vLLM or silently losing the hook. ``tests/test_vllm_canary.py``
+checks each private vLLM API used here against the installed vLLM.
 """
 
 from __future__ import annotations
 
 import functools
+import re
+import sys
 
 import torch
 
@@ -96,24 +104,62 @@ def fix_cpu_expand_kernel() -> bool:
 NEW_REQUEST_HOOK = "_duo_new_request_hook"
 
 
+def find_proposer(runner):
+    """The proposer behind ``runner.drafter`` that has ``on_new_requests``, else None.
+
+    vLLM 0.32-0.33 store the custom class itself as ``runner.drafter``; other
+    vLLM versions wrap it (``CustomClassProposer``) and keep it as the
+    wrapper's ``user_proposer``.
+    """
+    drafter = getattr(runner, "drafter", None)
+    for candidate in (drafter, getattr(drafter, "user_proposer", None)):
+        if candidate is not None and callable(getattr(candidate, "on_new_requests", None)):
+            return candidate
+    return None
+
+
+HOOK_MISSED = "_duo_new_request_hook_missed"
+
+
+def _report_missing_proposer(runner) -> None:
+    """Warn once per runner that has a drafter the hook cannot reach."""
+    drafter = getattr(runner, "drafter", None)
+    if drafter is None or getattr(runner, HOOK_MISSED, False):
+        return
+    setattr(runner, HOOK_MISSED, True)
+    logger.warning(
+        "duo_vllm: the new-request hook is installed but finds no proposer with "
+        "on_new_requests on vLLM's model runner (its drafter is a %s%s); DuoProposer "
+        "hears of requests only at propose(): no parallel prefill, no per-request "
+        "temperatures, no gate. duo_vllm supports vLLM %s", type(drafter).__qualname__,
+        " wrapping a " + type(drafter.user_proposer).__qualname__
+        if getattr(drafter, "user_proposer", None) is not None else "", supported_text())
+
+
 def with_new_request_hook(update_states):
-    """Wrap a model runner's ``_update_states`` to call ``self.drafter.on_new_requests``."""
+    """Wrap a model runner's ``_update_states`` to call the proposer's ``on_new_requests``.
+
+    The wrapped method's return value (vLLM 0.32-0.33: a deferred-corrections
+    callable, or None) is passed through.
+    """
     if getattr(update_states, NEW_REQUEST_HOOK, False):
         return update_states
 
     @functools.wraps(update_states)
     def _update_states(self, scheduler_output, *args, **kwargs):
-        new_reqs = getattr(scheduler_output, "scheduled_new_reqs", None)
-        drafter = getattr(self, "drafter", None)
-        attach = getattr(drafter, "attach_runner", None)
-        if attach is not None and getattr(drafter, "_runner", None) is not self:
-            attach(self)  # the proposer reads each request's sampling settings from it
-        hook = getattr(drafter, "on_new_requests", None)
-        if new_reqs and hook is not None:
-            try:
-                hook(new_reqs)
-            except Exception:
-                logger.exception("duo_vllm: the new-request hook failed; the step goes on")
+        proposer = find_proposer(self)
+        if proposer is None:
+            _report_missing_proposer(self)
+        else:
+            new_reqs = getattr(scheduler_output, "scheduled_new_reqs", None)
+            attach = getattr(proposer, "attach_runner", None)
+            if attach is not None and getattr(proposer, "_runner", None) is not self:
+                attach(self)  # the proposer reads each request's sampling settings from it
+            if new_reqs:
+                try:
+                    proposer.on_new_requests(new_reqs)
+                except Exception:
+                    logger.exception("duo_vllm: the new-request hook failed; the step goes on")
         return update_states(self, scheduler_output, *args, **kwargs)
 
     setattr(_update_states, NEW_REQUEST_HOOK, True)
@@ -123,15 +169,141 @@ def with_new_request_hook(update_states):
 def install_new_request_hook() -> bool:
     """Install :func:`with_new_request_hook` on vLLM's v1 model runner (idempotent).
 
-    Returns False if this vLLM has no ``GPUModelRunner._update_states`` (the
-    proposer then starts on a prompt at its first propose(), as before).
+    Returns False, with a warning, if this vLLM has no
+    ``GPUModelRunner._update_states``, or if the model runner that is building
+    the proposer (see :func:`constructing_runner`) does not reach the hooked
+    method; the proposer then starts on a prompt at its first propose().
     """
     try:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError:
+        logger.warning("duo_vllm: this vLLM has no %s; the new-request hook is not "
+                       "installed (no parallel prefill)", V1_RUNNER)
         return False
     original = getattr(GPUModelRunner, "_update_states", None)
     if original is None:
+        logger.warning("duo_vllm: this vLLM's %s has no _update_states; the new-request "
+                       "hook is not installed (no parallel prefill). duo_vllm supports "
+                       "vLLM %s", V1_RUNNER, supported_text())
         return False
     GPUModelRunner._update_states = with_new_request_hook(original)
+    runner = constructing_runner()
+    if runner is not None and not getattr(getattr(type(runner), "_update_states", None),
+                                          NEW_REQUEST_HOOK, False):
+        logger.warning("duo_vllm: vLLM's model runner %s overrides _update_states; the "
+                       "new-request hook does not reach it (no parallel prefill)",
+                       _qualname(type(runner)))
+        return False
     return True
+
+
+# ``check_vllm``: the vLLM versions and model runner the plugin is written for.
+
+SUPPORTED_VLLM = ((0, 32), (0, 33))  # (major, minor); setup.py's "gpu" extra pins the same
+V1_RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
+V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's switch between its model runners
+
+
+class UnsupportedVllmError(RuntimeError):
+    """This vLLM cannot run DuoProposer; the message says what to change."""
+
+
+def supported_text() -> str:
+    return " and ".join(f"{a}.{b}" for a, b in SUPPORTED_VLLM)
+
+
+def _qualname(cls) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def vllm_release(version: str | None) -> tuple[int, int] | None:
+    """(major, minor) of a vLLM version string ("0.32.0+cpu" -> (0, 32)); None if unparsable."""
+    m = re.match(r"\s*v?(\d+)\.(\d+)", version or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def check_vllm_version(version: str | None) -> bool:
+    """True for a supported vLLM version; otherwise a warning, and False."""
+    if vllm_release(version) in SUPPORTED_VLLM:
+        return True
+    logger.warning(
+        "duo_vllm: vLLM %s is untested; duo_vllm supports vLLM %s (pip install "
+        "'duo_vllm[gpu]' installs one). It uses private vLLM APIs that may have changed: "
+        "check the start-up log for duo_vllm warnings", version, supported_text())
+    return False
+
+
+def constructing_runner(max_depth: int = 16):
+    """The vLLM model runner whose ``__init__`` is on the call stack, else None.
+
+    vLLM builds the custom proposer inside its model runner's constructor
+    (``self.drafter = ...``), so from DuoProposer.__init__ this is the runner
+    the proposer will serve: any object named ``*ModelRunner`` bound to ``self``
+    in a calling frame.
+    """
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        obj = frame.f_locals.get("self")
+        if obj is not None and type(obj).__name__.endswith("ModelRunner"):
+            return obj
+        frame = frame.f_back
+    return None
+
+
+def _v2_message(what: str) -> str:
+    return (f"DuoProposer needs vLLM's V1 model runner ({V1_RUNNER}), but {what}. vLLM's "
+            f"Model Runner V2 does not run custom proposers. Fix: unset {V2_ENV} or set "
+            f"{V2_ENV}=0 (vLLM then picks V1 for custom proposers by itself)")
+
+
+def check_model_runner(runner=None, use_v2: bool | None = None) -> None:
+    """Raise :class:`UnsupportedVllmError` unless DuoProposer runs on V1's GPUModelRunner.
+
+    ``runner``: the model runner building the proposer (None: unknown);
+    ``use_v2``: ``VllmConfig.use_v2_model_runner`` (None: unknown). V1's
+    ``GPUModelRunner`` (the CPU runner is a subclass) must exist and have
+    ``_update_states``, so that a vLLM without V1 fails here, loudly.
+    """
+    if use_v2:
+        raise UnsupportedVllmError(_v2_message("vLLM's config selects Model Runner V2"))
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError as e:
+        raise UnsupportedVllmError(
+            f"DuoProposer needs vLLM's V1 model runner ({V1_RUNNER}), which this vLLM "
+            f"does not have ({e}). duo_vllm supports vLLM {supported_text()}") from e
+    if not callable(getattr(GPUModelRunner, "_update_states", None)):
+        raise UnsupportedVllmError(
+            f"DuoProposer needs {V1_RUNNER}._update_states, which this vLLM does not "
+            f"have. duo_vllm supports vLLM {supported_text()}")
+    if runner is None or isinstance(runner, GPUModelRunner):
+        return
+    cls = type(runner)
+    if ".v1.worker.gpu." in f"{cls.__module__}." or ".v1.worker.cpu." in f"{cls.__module__}.":
+        raise UnsupportedVllmError(_v2_message(f"this worker runs {_qualname(cls)}"))
+    raise UnsupportedVllmError(
+        f"DuoProposer needs vLLM's V1 model runner ({V1_RUNNER} or a subclass, such as "
+        f"the CPU runner), but this worker runs {_qualname(cls)}. duo_vllm supports "
+        f"vLLM {supported_text()} on CUDA and CPU")
+
+
+def check_vllm(vllm_config) -> None:
+    """Start-up checks, first thing in DuoProposer.__init__ (on every rank).
+
+    Warns for a vLLM version outside :data:`SUPPORTED_VLLM`; raises
+    :class:`UnsupportedVllmError` (vLLM's start-up stops with its message)
+    unless the proposer runs on V1's model runner. A stand-in config (not
+    vLLM's own class: the tests' fakes) is not checked.
+    """
+    if not type(vllm_config).__module__.startswith("vllm."):
+        return
+    import vllm
+
+    check_vllm_version(getattr(vllm, "__version__", None))
+    try:
+        use_v2 = vllm_config.use_v2_model_runner is True
+    except AttributeError:  # a vLLM without the switch
+        use_v2 = None
+    check_model_runner(constructing_runner(), use_v2)

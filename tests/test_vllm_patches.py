@@ -111,3 +111,150 @@ def test_new_request_hook_installs_on_vllms_model_runner():
     wrapped = gmr.GPUModelRunner._update_states
     assert getattr(wrapped, NEW_REQUEST_HOOK) and not getattr(wrapped.__wrapped__,
                                                               NEW_REQUEST_HOOK, False)
+
+
+class WrappedRunner:
+    """A model runner whose drafter is a vLLM wrapper around the custom class."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+
+    def _update_states(self, scheduler_output):
+        return lambda: "deferred corrections"
+
+
+def test_new_request_hook_finds_a_proposer_that_vllm_wraps():
+    from types import SimpleNamespace
+
+    from duo_vllm.vllm_patches import with_new_request_hook
+
+    seen = []
+
+    class Proposer:
+        _runner = None
+
+        def attach_runner(self, runner):
+            self._runner = runner
+
+        def on_new_requests(self, reqs):
+            seen.append(len(reqs))
+
+    class Runner(WrappedRunner):
+        _update_states = with_new_request_hook(WrappedRunner._update_states)
+
+    proposer = Proposer()
+    runner = Runner(SimpleNamespace(user_proposer=proposer, propose=lambda *a, **k: []))
+    deferred = runner._update_states(SimpleNamespace(scheduled_new_reqs=["r"]))
+    assert deferred() == "deferred corrections"  # the wrapped method's result passes through
+    assert seen == [1] and proposer._runner is runner
+
+
+def test_new_request_hook_says_when_it_finds_no_proposer(caplog):
+    from types import SimpleNamespace
+
+    from duo_vllm.vllm_patches import with_new_request_hook
+
+    class Runner(WrappedRunner):
+        _update_states = with_new_request_hook(WrappedRunner._update_states)
+
+    class Wrapper:  # a wrapper that keeps the proposer under a name we do not know
+        def __init__(self):
+            self.inner = object()
+
+    runner = Runner(Wrapper())
+    new = SimpleNamespace(scheduled_new_reqs=["r"])
+    assert runner._update_states(new)() == "deferred corrections"
+    runner._update_states(new)
+    missing = [r for r in caplog.records if "finds no proposer" in r.getMessage()]
+    assert len(missing) == 1 and "Wrapper" in missing[0].getMessage()  # once per runner
+    caplog.clear()
+    Runner(None)._update_states(new)  # no drafter at all (a rank without one): nothing to say
+    assert "finds no proposer" not in caplog.text
+
+
+def test_new_request_hook_reports_a_runner_that_bypasses_it(caplog):
+    gmr = pytest.importorskip("vllm.v1.worker.gpu_model_runner")
+    from duo_vllm.vllm_patches import install_new_request_hook
+
+    class BypassingModelRunner(gmr.GPUModelRunner):
+        def __init__(self):  # vLLM builds the proposer here; the proposer installs the hook
+            self.hooked = install_new_request_hook()
+
+        def _update_states(self, scheduler_output):
+            return None
+
+    class InheritingModelRunner(gmr.GPUModelRunner):
+        def __init__(self):
+            self.hooked = install_new_request_hook()
+
+    assert not BypassingModelRunner().hooked
+    assert "overrides _update_states" in caplog.text and "BypassingModelRunner" in caplog.text
+    assert InheritingModelRunner().hooked
+
+
+def test_model_runner_check_accepts_v1_and_names_the_fix_for_v2():
+    gmr = pytest.importorskip("vllm.v1.worker.gpu_model_runner")
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+
+    from duo_vllm.vllm_patches import UnsupportedVllmError, check_model_runner
+
+    check_model_runner(object.__new__(gmr.GPUModelRunner), use_v2=False)
+    check_model_runner(object.__new__(CPUModelRunner))
+    check_model_runner(None, None)  # nothing known: the V1 class exists, that is all
+    with pytest.raises(UnsupportedVllmError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        check_model_runner(object.__new__(V2Runner))
+    with pytest.raises(UnsupportedVllmError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        check_model_runner(None, use_v2=True)
+
+    class TPUModelRunner:  # another platform's runner, not V1's
+        pass
+
+    with pytest.raises(UnsupportedVllmError, match="supports vLLM 0.32 and 0.33"):
+        check_model_runner(TPUModelRunner())
+
+
+def test_model_runner_check_fails_when_v1_is_gone(monkeypatch):
+    gmr = pytest.importorskip("vllm.v1.worker.gpu_model_runner")
+    from duo_vllm.vllm_patches import UnsupportedVllmError, check_model_runner
+
+    monkeypatch.delattr(gmr.GPUModelRunner, "_update_states")
+    with pytest.raises(UnsupportedVllmError, match="_update_states"):
+        check_model_runner(None, None)
+
+
+def test_start_up_check_finds_the_runner_that_builds_the_proposer(monkeypatch):
+    pytest.importorskip("vllm.v1.worker.gpu_model_runner")
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+
+    from duo_vllm.vllm_patches import UnsupportedVllmError, check_vllm
+
+    VllmConfig = type("VllmConfig", (), {"__module__": "vllm.config.vllm",
+                                         "use_v2_model_runner": False})
+
+    def builds_proposer(self):  # as vLLM's runners do: self.drafter = Proposer(vllm_config)
+        check_vllm(VllmConfig())
+
+    monkeypatch.setattr(V2Runner, "__init__", builds_proposer)
+    monkeypatch.setattr(CPUModelRunner, "__init__", builds_proposer)
+    with pytest.raises(UnsupportedVllmError, match="this worker runs vllm.v1.worker.gpu"):
+        V2Runner()
+    CPUModelRunner()  # V1 (its CPU subclass): fine
+    VllmConfig.use_v2_model_runner = True
+    with pytest.raises(UnsupportedVllmError, match="config selects Model Runner V2"):
+        check_vllm(VllmConfig())
+    from types import SimpleNamespace
+
+    check_vllm(SimpleNamespace(use_v2_model_runner=True))  # the tests' stand-in configs
+
+
+def test_unknown_vllm_versions_warn(caplog):
+    from duo_vllm.vllm_patches import check_vllm_version, vllm_release
+
+    assert vllm_release("0.32.0+cpu") == (0, 32) and vllm_release("v0.33.1rc1") == (0, 33)
+    assert check_vllm_version("0.32.0") and check_vllm_version("0.33.2")
+    assert "untested" not in caplog.text
+    assert not check_vllm_version("0.34.0.dev5")
+    assert "vLLM 0.34.0.dev5 is untested" in caplog.text and "0.32 and 0.33" in caplog.text
+    assert not check_vllm_version(None)
