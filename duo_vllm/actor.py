@@ -76,6 +76,8 @@ class DraftWorker:
             size(getattr(backend, "n_ctx_train", 0))
         for warning in self.limits.warnings:
             logger.warning("DuoProposer: %s", warning)
+        for note in self.limits.notes:
+            logger.info("DuoProposer: %s", note)
         self.drafter = DuoDrafter(backend, self.limits.max_sequences, self.limits.n_ctx, policy)
         self.model_path, self.n_threads, self.k = model_path, n_threads, k
         self._lock = threading.Lock()  # the drafter and the llama.cpp context

@@ -29,6 +29,12 @@ _VLLM_LIMIT_KEYS = ("given", "max_model_len", "max_num_seqs")
 
 DEFAULT_N_CTX = 2048  # n_ctx where neither the user nor vLLM says (DraftWorker on its own)
 DEFAULT_MAX_SEQUENCES = 8  # the fewest requests the draft keeps unless the user says
+# the most it keeps unless the user says, whatever vLLM's max_num_seqs (256 by default):
+# a slot keeps its request's KV cells after the request ends (a prompt that comes back
+# is not prefilled again), and every draft token attends over all cells in use (the
+# cache is unified so branches can share a prompt): ~10-15% slower per token at ~4500
+# cells (benchmarks/README.md, "More draft slots"). 16 covers the batch-16 shape.
+MAX_DEFAULT_SEQUENCES = 16
 # llama.cpp's LLAMA_MAX_SEQ (llama_max_parallel_sequences()): sequences one context
 # holds. The draft uses max_sequences * max_branches of them (a branch is a sequence).
 LLAMA_MAX_SEQ = 256
@@ -293,7 +299,8 @@ class DraftLimits:
 
     n_ctx: int
     max_sequences: int
-    warnings: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()  # what the user's or vLLM's values cannot have
+    notes: tuple[str, ...] = ()  # defaults that stop short of vLLM's (logged as info)
 
 
 def derive_draft_limits(max_num_seqs: int | None, max_model_len: int | None,
@@ -312,13 +319,16 @@ def derive_draft_limits(max_num_seqs: int | None, max_model_len: int | None,
       still fit the KV bound. A user's n_ctx is bounded by the training context only.
     * max_sequences: vLLM's ``max_num_seqs`` (at least 8: slots beyond the
       running requests let a new prompt prefill before the slot of the request
-      it replaces is released), at most ``DRAFT_KV_TOKENS // n_ctx`` (memory)
+      it replaces is released), at most ``MAX_DEFAULT_SEQUENCES`` (idle slots'
+      cells cost every draft token), ``DRAFT_KV_TOKENS // n_ctx`` (memory)
       and ``LLAMA_MAX_SEQ // max_branches`` (llama.cpp refuses more sequences;
       that bound applies to a user's value too).
 
-    A warning for each limit vLLM's values, or the user's, cannot follow.
+    A warning for each limit the user's values, or vLLM's max_model_len, cannot
+    follow; a note (info) where the default keeps fewer requests than
+    ``max_num_seqs`` (vLLM's default is 256).
     """
-    warnings = []
+    warnings, notes = [], []
     train = n_ctx_train if n_ctx_train and n_ctx_train > 0 else None
     if "n_ctx" in user:
         n_ctx = int(user["n_ctx"])
@@ -355,17 +365,20 @@ def derive_draft_limits(max_num_seqs: int | None, max_model_len: int | None,
             rows = seq_cap
     else:
         kv_cap = max(1, DRAFT_KV_TOKENS // n_ctx)
-        rows = min(max(DEFAULT_MAX_SEQUENCES, max_num_seqs or 0), seq_cap, kv_cap)
+        bounds = [(seq_cap, f"llama.cpp's {LLAMA_MAX_SEQ} sequences over {max_branches} "
+                            "branches"),
+                  (kv_cap, f"the draft's KV cache bound, {DRAFT_KV_TOKENS} tokens at n_ctx "
+                           f"{n_ctx}"),
+                  (MAX_DEFAULT_SEQUENCES, "the default's cap: idle slots keep KV cells that "
+                                          "slow every draft token")]
+        bound, why = min(bounds)
+        rows = min(max(DEFAULT_MAX_SEQUENCES, max_num_seqs or 0), bound)
         if max_num_seqs and rows < max_num_seqs:
-            why = (f"llama.cpp's {LLAMA_MAX_SEQ} sequences over {max_branches} branches"
-                   if rows == seq_cap else
-                   f"the draft's KV cache bound, {DRAFT_KV_TOKENS} tokens at n_ctx {n_ctx}")
-            warnings.append(f"vLLM's max_num_seqs {max_num_seqs} is more than the {rows} "
-                            f"requests the draft keeps ({why}): with more running, the least "
-                            f"recently drafted get no drafts from the draft model. The option "
-                            f"max_sequences sets it (the KV cache holds max_sequences x n_ctx "
-                            f"tokens)")
-    return DraftLimits(n_ctx, rows, tuple(warnings))
+            notes.append(f"the draft keeps {rows} of vLLM's max_num_seqs {max_num_seqs} "
+                         f"requests ({why}): with more running, the least recently drafted "
+                         f"get lookup drafts only. The option max_sequences sets it (the KV "
+                         f"cache holds max_sequences x n_ctx tokens)")
+    return DraftLimits(n_ctx, rows, tuple(warnings), tuple(notes))
 
 
 RAY_EXTRA_ENV = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"

@@ -11,7 +11,8 @@ import pytest
 
 from duo_vllm.actor import DraftWorker
 from duo_vllm.config import (
-    DRAFT_KV_TOKENS, LLAMA_MAX_SEQ, DuoConfig, DuoConfigError, derive_draft_limits,
+    DRAFT_KV_TOKENS, LLAMA_MAX_SEQ, MAX_DEFAULT_SEQUENCES, DuoConfig, DuoConfigError,
+    derive_draft_limits,
 )
 from tests.fakes import FakeBackend
 from tests.test_gpu_server import FakeLlamaCpp
@@ -25,14 +26,19 @@ def vllm_config(max_num_seqs=256, max_model_len=32768):
 def test_long_context_and_big_batch_follow_vllm_within_the_draft():
     lim = derive_draft_limits(256, 32768, 8192, {})
     assert (lim.n_ctx, lim.max_sequences) == (8192, DRAFT_KV_TOKENS // 8192)
-    assert len(lim.warnings) == 2
+    assert len(lim.warnings) == 1
     assert "max_model_len 32768 is above the draft model's training context" in lim.warnings[0]
-    assert "max_num_seqs 256 is more than the 8 requests" in lim.warnings[1]
+    assert "the draft keeps 8 of vLLM's max_num_seqs 256" in lim.notes[0]
 
 
 def test_a_short_max_model_len_leaves_room_for_more_rows():
     lim = derive_draft_limits(256, 2048, 8192, {})
-    assert (lim.n_ctx, lim.max_sequences) == (2048, DRAFT_KV_TOKENS // 2048)  # 32, not 8
+    # 16 (the default's cap: idle slots' cells slow every draft token), not 8, nor 32
+    # (the KV bound at n_ctx 2048), nor vLLM's default 256; said as a note, not a warning
+    assert (lim.n_ctx, lim.max_sequences, lim.warnings) == (2048, MAX_DEFAULT_SEQUENCES, ())
+    assert "the default's cap" in lim.notes[0]
+    lim = derive_draft_limits(12, 2048, 8192, {})
+    assert (lim.max_sequences, lim.notes) == (12, ())
     lim = derive_draft_limits(16, 4096, 8192, {})
     assert (lim.n_ctx, lim.max_sequences, lim.warnings) == (4096, 16, ())
 
@@ -64,7 +70,7 @@ def test_follow_vllm_keeps_what_the_user_set():
     assert cfg.vllm_limits == {"max_num_seqs": 64, "max_model_len": 32768, "given": ["n_ctx"]}
     # what the actor receives (to_dict -> JSON -> from_dict) still knows
     lim = DuoConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))).draft_limits(8192, 4)
-    assert (lim.n_ctx, lim.max_sequences) == (1024, 64)
+    assert (lim.n_ctx, lim.max_sequences) == (1024, MAX_DEFAULT_SEQUENCES)
     lim = DuoConfig.from_sources(None, environ={}).follow_vllm(vllm_config(64, 32768)) \
         .draft_limits(8192, 4)
     assert (lim.n_ctx, lim.max_sequences) == (8192, 8)
@@ -113,9 +119,9 @@ def test_the_actor_follows_vllm():
         assert (w.drafter.n_ctx, w.drafter.pool.size) == (4096, 16)
     finally:
         w.close()
-    w = worker(DuoConfig(parallel=False).follow_vllm(vllm_config(24, 2048)))
+    w = worker(DuoConfig(parallel=False).follow_vllm(vllm_config(12, 2048)))
     try:
-        assert (w.drafter.n_ctx, w.drafter.pool.size) == (2048, 24)  # before: 8 rows
+        assert (w.drafter.n_ctx, w.drafter.pool.size) == (2048, 12)  # before: 8 rows
     finally:
         w.close()
 
