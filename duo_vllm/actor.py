@@ -15,6 +15,7 @@ import threading
 import time
 
 from .config import DuoConfig, DuoConfigError, allowed_cpus, choose_cores, read_host
+from .delta import Delta, DeltaReceiver, Drafts
 from .drafter import DraftPolicy, DuoDrafter
 from .host import draft_threads
 
@@ -85,6 +86,7 @@ class DraftWorker:
         self._waiting = 0  # propose() calls waiting for the drafter
         self._stash = None  # contexts of a step that could not wait for the drafter
         self._prompts: list = []  # prompts vLLM is prefilling, for the background thread
+        self._contexts = DeltaReceiver()  # the contexts of the last step, per request
         self._max_prompts = self.limits.max_sequences
         self._lock_wait_s, self._proposes = 0.0, 0  # steps' waits for a decode under way
         self._wake = threading.Event()
@@ -119,12 +121,37 @@ class DraftWorker:
                 per_token_s=None, hints=None) -> list[list[int]]:
         """Drafts for one vLLM step (arguments: see :meth:`DuoDrafter.propose`).
 
+        ``contexts`` is a list of full contexts, or a :class:`~duo_vllm.delta.Delta`
+        of them against the last step's (the worker keeps the contexts): the
+        drafts of rows this worker could not decode are empty, and come as
+        :class:`~duo_vllm.delta.Drafts`, whose ``resend`` names them.
+
         A pre-draft still running stops at its next decode boundary. A prefill
         chunk under way is waited for only if it ends within a fraction of a
         target step (chunks are sized for that while other requests decode);
         otherwise the step goes without a draft and these contexts are left
         for the background thread: vLLM never waits on a long prefill.
         """
+        if not isinstance(contexts, Delta):
+            return self._propose(contexts, max_tokens, target_step_s, temperatures,
+                                 per_token_s, hints)
+        # decoded before anything else, stash or not: the next step's delta builds on it
+        full, resend = self._contexts.decode(contexts)
+        rows = [i for i, c in enumerate(full) if c is not None]
+
+        def pick(values):
+            return None if values is None else [values[i] for i in rows]
+
+        drafts: list = [[] for _ in full]
+        if rows:
+            for i, d in zip(rows, self._propose(pick(full), pick(max_tokens), target_step_s,
+                                                pick(temperatures), per_token_s,
+                                                pick(hints))):
+                drafts[i] = d
+        return Drafts(drafts, resend) if resend else drafts
+
+    def _propose(self, contexts, max_tokens, target_step_s, temperatures, per_token_s,
+                 hints) -> list[list[int]]:
         with self._state:
             self._waiting += 1
         patience = self._patience(target_step_s)

@@ -21,6 +21,7 @@ import numpy as np
 from .actor import DraftWorker, get_or_create_actor
 from .client import ActorClient
 from .config import DuoConfig, DuoConfigError, allowed_cpus, resolve_draft_cores
+from .delta import DeltaSender
 from .goodput import DraftGate, StepTimeModel
 from .lookup import LOOKUP, MODEL, ContextLookup, Hint, choose
 from .models import ModelNotFoundError, default_draft_gguf
@@ -188,6 +189,8 @@ class DuoProposer:
         self._started_at: float | None = None  # when the last propose() was called
         self._counts: dict = {}  # request id -> its tokens at the last propose()
         self.lookup: ContextLookup | None = None  # drafts copied from the context
+        self._sender = DeltaSender()  # each step's contexts as deltas (duo_vllm/delta.py)
+        self._sender_actor = 0  # the actor the sender's deltas are against (its restart)
 
     @staticmethod
     def _draft_cores(cfg: DuoConfig) -> list[int] | None:
@@ -265,7 +268,7 @@ class DuoProposer:
         hints = self._hints(keys, temps_or_0, lookups)
         t0 = time.perf_counter()
         try:
-            result = self._draft(contexts, budgets, step_s, temps, per_token_s, hints)
+            result = self._draft(keys, contexts, budgets, step_s, temps, per_token_s, hints)
         finally:
             self._returned_at = time.perf_counter()
             self._calls += 1
@@ -351,17 +354,31 @@ class DuoProposer:
         else:
             self._worker.prefetch(prompts)
 
-    def _draft(self, contexts, budgets, step_s, temps=None, per_token_s=None,
+    def _draft(self, keys, contexts, budgets, step_s, temps=None, per_token_s=None,
                hints=None) -> list[list[int]] | None:
+        """The draft side's drafts, or None. The contexts go as deltas against what the
+        draft side holds (it keeps each request's context): O(new tokens) per row."""
+        restarts = self._client.restarts if self._client is not None else 0
+        if restarts != self._sender_actor:  # a new actor holds no contexts
+            self._sender.reset()
+            self._sender_actor = restarts
+        delta = self._sender.encode(keys, contexts)
+        result = None
         if self._client is not None:
-            return self._client.propose(contexts, budgets, step_s, temps, per_token_s, hints)
-        try:
-            return self._worker.propose(contexts, budgets, step_s, temps, per_token_s, hints)
-        except Exception as e:  # the draft side must never take the request down
-            self._failed = True
-            logger.warning("DuoProposer: draft side failed (%s: %s); falling back to plain "
-                           "decoding (output is unaffected, only slower)", type(e).__name__, e)
-            return None
+            result = self._client.propose(delta, budgets, step_s, temps, per_token_s, hints)
+        else:
+            try:
+                result = self._worker.propose(delta, budgets, step_s, temps, per_token_s, hints)
+            except Exception as e:  # the draft side must never take the request down
+                self._failed = True
+                logger.warning("DuoProposer: draft side failed (%s: %s); falling back to plain "
+                               "decoding (output is unaffected, only slower)",
+                               type(e).__name__, e)
+        if result is None:  # the call may not have reached the draft side: all in full next
+            self._sender.reset()
+        else:  # rows the draft side could not decode: in full next step
+            self._sender.forget(getattr(result, "resend", ()))
+        return result
 
     def _observe_step(self, rows, num_tokens_no_spec, skip: bool = False) -> None:
         """The step that just ran: a sample of T(B, e), and of the goodput of its mode.

@@ -8,6 +8,7 @@ import torch
 
 from duo_vllm import proposer as proposer_mod
 from duo_vllm.config import DuoConfig
+from duo_vllm.delta import Delta, DeltaReceiver
 from duo_vllm.proposer import DuoProposer, valid_prefix
 
 
@@ -15,8 +16,12 @@ class FakeWorker:
     def __init__(self, drafts=None):
         self.calls = []
         self.drafts = drafts
+        self.receiver = DeltaReceiver()  # the proposer sends deltas, as to DraftWorker
 
     def propose(self, contexts, budgets, step_s, temps=None, per_token_s=None, hints=None):
+        if isinstance(contexts, Delta):
+            contexts, resend = self.receiver.decode(contexts)
+            assert not resend and all(c is not None for c in contexts)
         self.calls.append(dict(contexts=[list(c) for c in contexts], budgets=budgets,
                                step_s=step_s, temps=temps, per_token_s=per_token_s,
                                hints=hints))
