@@ -165,8 +165,8 @@ class DuoDrafter:
         proposer's lookup drafts (:class:`duo_vllm.lookup.Hint`): the drafter
         returns its own drafts, and pre-drafts from the end of what the
         proposer will serve, :func:`duo_vllm.lookup.choose` of its own draft
-        and the hint (the same pure function, the same inputs), so a served lookup continuation finds its next
-        step's branches ready.
+        and the hint (the same pure function, the same inputs), so a served
+        lookup continuation finds its next step's branches ready.
         """
         t0 = time.perf_counter()
         st = self.stats
