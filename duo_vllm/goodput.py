@@ -350,7 +350,9 @@ class DraftGate:
         """
         b = self.bucket(batch, sampled)
         self._clock[b] = self._clock.get(b, 0) + 1
-        on = self._mode.setdefault(b, True)
+        if b not in self._mode:
+            self._mode[b] = self.first_mode(b)
+        on = self._mode[b]
         run = self._run[b] = self._run.get(b, 0) + 1
         if run > self.trial_steps + (self.warmup_steps if on else 0):
             other = (b, not on)
@@ -369,6 +371,20 @@ class DraftGate:
         if not on:
             self.plain_steps += 1
         return on
+
+    def first_mode(self, b) -> bool:
+        """A new bucket's first mode: the verdict of the nearest smaller batch size judged
+        in both modes, in the same regime or, for sampled steps, a greedy one (drafting
+        pays less as the batch grows, and under sampling); drafting where none is."""
+        size, sampled = b
+        judged = [(s, r == sampled) for (s, r), _ in self._rate
+                  if s <= size and (r == sampled or sampled) and
+                  ((s, r), True) in self._rate and ((s, r), False) in self._rate]
+        if not judged:
+            return True
+        s, same = max(judged)  # the nearest size; the same regime first
+        near = (s, sampled if same else False)
+        return self._rate[(near, True)] > self._rate[(near, False)]
 
     def _retry(self, b) -> int:
         """Steps before the slower mode is tried again: 4x as many when it was far slower

@@ -220,3 +220,18 @@ def test_the_longer_wait_counts_the_losses_of_the_mode_retried_only():
     # drafting's own first two losses are retried at the usual interval, then 4x later
     assert retries[:2] == [pytest.approx(107, abs=3), pytest.approx(220, abs=3)]
     assert len(retries) == 2
+
+
+def test_a_new_batch_size_starts_in_the_mode_that_won_at_the_nearest_smaller_one():
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    assert gate.drafting(2)  # nothing judged yet: drafting first
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    run_gate(gate, 1, rate_on=40.0, rate_off=20.0, steps=60)  # batch 1: drafting pays
+    run_gate(gate, 2, rate_on=20.0, rate_off=30.0, steps=60)  # batch 2-3: it does not
+    assert not gate.drafting(4)  # 4-7 starts plain, as its nearest smaller judged size
+    assert not gate.drafting(2, sampled=True)  # sampling pays no more than greedy
+    assert gate.drafting(1, sampled=True)  # greedy batch 1 drafts: sampled batch 1 tries it
+    # the mode it starts in is still judged: drafting is tried after the first trial
+    modes = run_gate(gate, 16, rate_on=90.0, rate_off=30.0, steps=60)
+    assert modes[:10] == [False] * 10 and all(modes[-20:])
+    assert gate.drafting(1)  # and a smaller size keeps its own verdict
