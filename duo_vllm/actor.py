@@ -135,7 +135,13 @@ class DraftWorker:
         if not isinstance(contexts, Delta):
             return self._propose(contexts, max_tokens, target_step_s, temperatures,
                                  per_token_s, hints)
-        full, resend, rows, pick = self._decode_delta(contexts)
+        # decoded before anything else, stash or not: the next step's delta builds on it
+        full, resend = self._contexts.decode(contexts)
+        rows = [i for i, c in enumerate(full) if c is not None]
+
+        def pick(values):
+            return None if values is None else [values[i] for i in rows]
+
         drafts: list = [[] for _ in full]
         if rows:
             for i, d in zip(rows, self._propose(pick(full), pick(max_tokens), target_step_s,
@@ -143,37 +149,6 @@ class DraftWorker:
                                                 pick(hints))):
                 drafts[i] = d
         return Drafts(drafts, resend) if resend else drafts
-
-    def _decode_delta(self, delta: Delta):
-        """The full contexts of a delta (None where this worker cannot decode a row), the
-        rows it cannot decode, the rows it can, and a function that picks those rows'
-        values. Decoded before anything else, so the next step's delta builds on it."""
-        full, resend = self._contexts.decode(delta)
-        rows = [i for i, c in enumerate(full) if c is not None]
-
-        def pick(values):
-            return None if values is None else [values[i] for i in rows]
-
-        return full, resend, rows, pick
-
-    def feed(self, contexts, max_tokens, target_step_s=None, temperatures=None,
-             per_token_s=None, hints=None) -> None:
-        """A step that goes without the draft model's drafts (the gate keeps drafting
-        off): its contexts, for the background thread to keep the draft state current
-        (prompts prefilled, new tokens evaluated, branches from what the proposer
-        serves), so that drafting resumes warm. Returns at once; the caller does not
-        wait for it. Rows this worker cannot decode are left out (the next propose()
-        names them for a resend)."""
-        if isinstance(contexts, Delta):
-            full, _, rows, pick = self._decode_delta(contexts)
-            contexts, max_tokens = pick(full), pick(max_tokens)
-            temperatures, hints = pick(temperatures), pick(hints)
-        if self._thread is None or not contexts:
-            return
-        with self._state:
-            self._stash = (contexts, max_tokens, target_step_s, temperatures, per_token_s,
-                           hints, True)
-        self._wake.set()
 
     def _propose(self, contexts, max_tokens, target_step_s, temperatures, per_token_s,
                  hints) -> list[list[int]]:
@@ -188,7 +163,7 @@ class DraftWorker:
             self._waiting -= 1
             if not got:
                 self._stash = (contexts, max_tokens, target_step_s, temperatures, per_token_s,
-                               hints, False)
+                               hints)
                 self.drafter.stats.skipped_busy += 1
         if not got:
             self._wake.set()
@@ -253,10 +228,10 @@ class DraftWorker:
                         stash, self._stash = self._stash, None
                         prompts, self._prompts = self._prompts, []
                     if stash is not None:  # a step that went without a draft
-                        contexts, max_tokens, step, temps, per_token, hints, warm = stash
+                        contexts, max_tokens, step, temps, per_token, hints = stash
                         self.drafter.propose(contexts, max_tokens, step, serve=False,
                                              temperatures=temps, per_token_s=per_token,
-                                             hints=hints, warm=warm)
+                                             hints=hints)
                         self._deadline = None
                     if prompts and self.drafter.prefetch(prompts):
                         self._deadline = None  # the target's prefill is no step

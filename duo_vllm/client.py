@@ -135,18 +135,6 @@ class ActorClient:
             return False
         return True
 
-    def feed(self, contexts, *args) -> bool:
-        """A step's contexts for the actor's background work (a step the gate leaves
-        to plain decoding); never waits, and nothing comes back. Skipped, like
-        :meth:`prefetch`, while the actor is stalled, restarting or gone."""
-        if not self.healthy or self._pending is not None:
-            return False
-        try:
-            self.actor.feed.remote(contexts, *args)
-        except Exception:  # the actor is gone: the next propose() finds out and recovers
-            return False
-        return True
-
     def _observe_answer(self, seconds: float) -> None:
         a = self._answer_s
         if a is None:

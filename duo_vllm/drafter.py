@@ -154,8 +154,7 @@ class DuoDrafter:
                 target_step_s: float | None = None, serve: bool = True,
                 temperatures: list[float] | None = None,
                 per_token_s: float | None = None,
-                hints: list[Hint | None] | None = None,
-                warm: bool = False) -> list[list[int]]:
+                hints: list[Hint | None] | None = None) -> list[list[int]]:
         """Drafts for one step; queues the pre-draft of the next when ``parallel``.
 
         ``target_step_s`` and ``per_token_s`` are the target's T₀(B) and c
@@ -167,10 +166,7 @@ class DuoDrafter:
         returns its own drafts, and pre-drafts from the end of what the
         proposer will serve, :func:`duo_vllm.lookup.choose` of its own draft
         and the hint (the same pure function, the same inputs), so a served
-        lookup continuation finds its next step's branches ready. With
-        ``warm`` (and ``serve=False``: a step the gate left to plain decoding)
-        rows planned no pre-draft are still caught up in the background, so
-        the draft state is current when drafting resumes.
+        lookup continuation finds its next step's branches ready.
         """
         t0 = time.perf_counter()
         st = self.stats
@@ -209,7 +205,7 @@ class DuoDrafter:
             self.floor_streak = 0
         served, p_served = self._served(rows, out, hints)
         self.expected_step_s = cost.step(sum(len(d) for d in served))
-        self._plan_jobs(rows, served, p_served, cost, len(contexts), warm and not serve)
+        self._plan_jobs(rows, served, p_served, cost, len(contexts))
         st.busy_s += time.perf_counter() - t0
         return out
 
@@ -404,12 +400,11 @@ class DuoDrafter:
             slot.tokens = np.zeros(0, dtype=np.int32)
 
     def _plan_jobs(self, rows: list[_Row], out, p_served: dict, cost: TargetCost,
-                   batch: int, warm: bool = False) -> None:
+                   batch: int) -> None:
         """The next step's pre-draft: which requests, how deep (the controller's plan).
 
         ``out`` is what each row is served this step; ``p_served`` the chance all
-        of it is accepted (the pre-draft's branches continue it). ``warm``: rows
-        planned no draft are caught up all the same (depth 0).
+        of it is accepted (the pre-draft's branches continue it).
         """
         self.jobs = []
         policy = self.policy
@@ -434,7 +429,7 @@ class DuoDrafter:
                     depths[i] = 1  # a probe: acceptance may have risen since
                     self.stats.probes += 1
         for r, p, m in zip(rows, prefixes, depths):
-            if m > 0 or warm:  # a request planned no draft is not even caught up, unless warm
+            if m > 0:  # a request planned no draft is not even caught up
                 self.jobs.append(_Job(r.slot.seq_id, p, m, r.temperature))
 
     # -- ahead of time, while vLLM verifies ------------------------------------
@@ -536,10 +531,9 @@ class DuoDrafter:
             slot.tokens = job.prefix
         trees = [Tree(job.prefix, [Branch([int(ids[0])], float(p[0]), slot.seq_id)])
                  for job, slot, (ids, p) in zip(jobs, slots, tops)]
-        for job, slot, tree in zip(jobs, slots, trees):
-            if job.evals > 0:  # planned depth 0: caught up only (the next step is a miss)
-                self.trees[slot.seq_id] = tree
-        grow = [i for i, job in enumerate(jobs) if job.evals > 0]
+        for slot, tree in zip(slots, trees):
+            self.trees[slot.seq_id] = tree
+        grow = [i for i, job in enumerate(jobs) if job.evals > 0]  # planned depth 0: caught up
         jobs, slots, trees, tops = ([x[i] for i in grow] for x in (jobs, slots, trees, tops))
         if not jobs:
             return

@@ -322,7 +322,9 @@ class DraftGate:
     ``trial_steps`` before it is judged (the first ``warmup_steps`` after
     turning drafting on are not counted: the draft catches up), and the
     slower mode is tried again every ``retry_every`` steps of the bucket, so
-    the gate follows the traffic and the hardware.
+    the gate follows the traffic and the hardware. Modes change only at the
+    end of a trial: a dip between trials (the steps while the draft prefills
+    a new long prompt, say) does not turn drafting off until the next trial.
     """
 
     def __init__(self, trial_steps: int = 32, warmup_steps: int = 8, retry_every: int = 256,
@@ -360,7 +362,7 @@ class DraftGate:
             if other not in self._rate or stale:
                 on = not on  # try the other mode (again)
                 self._trying[b] = on
-            else:
+            elif b in self._trying:  # the end of a trial: judge; between trials, keep the mode
                 on = self.faster_on(b)
                 if self._trying.pop(b, None) == self._mode[b]:
                     # the end of a retried mode's trial: did it lose (again)?

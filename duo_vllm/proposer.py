@@ -178,7 +178,6 @@ class DuoProposer:
         self._runner = None  # vLLM's model runner (attach_runner), for sampling settings
         self._errors = 0  # propose() calls that raised: the step went without drafts
         self._calls, self._wait_s = 0, 0.0  # time vLLM's loop spent waiting for drafts
-        self._feeds = 0  # steps the gate left to plain decoding, sent to the draft side
         self._stats_ref, self._stats_logged_at = None, time.monotonic()
         self._prefetch = False
         self._passive = False  # a rank whose drafts vLLM does not use
@@ -262,10 +261,8 @@ class DuoProposer:
         lookups = self._lookups(keys, contexts, lookup_caps)
         if self._runner is not None and self._gated:  # it needs request ids to count tokens
             self._on = self.gate.drafting(len(rows), self._sampled)
-        if not self._on:  # the draft model does not pay at this batch size: vLLM does not
-            # wait for it; the draft side hears of the step and keeps its state current
-            hints = self._feed(keys, contexts, budgets, temps, temps_or_0, lookups)
-            return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, None, hints)
+        if not self._on:  # the draft model does not pay at this batch size: no draft work
+            return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, None)
         cost = self.step_time.cost(len(rows))
         step_s, per_token_s = (None, None) if cost is None else (cost.t0, cost.per_token)
         hints = self._hints(keys, temps_or_0, lookups)
@@ -345,9 +342,7 @@ class DuoProposer:
         forward pass; hands the prompts to the draft side without waiting.
         """
         self._new_requests = True
-        # also while the gate keeps drafting off: the draft core is idle then, and a
-        # draft that holds the prompts is warm when drafting resumes
-        if self._passive or not self._prefetch or self._failed:
+        if self._passive or not self._prefetch or self._failed or not self._on:
             return
         prompts = [np.asarray(r.prompt_token_ids, dtype=np.int32) for r in new_reqs
                    if getattr(r, "prompt_token_ids", None)]
@@ -363,7 +358,11 @@ class DuoProposer:
                hints=None) -> list[list[int]] | None:
         """The draft side's drafts, or None. The contexts go as deltas against what the
         draft side holds (it keeps each request's context): O(new tokens) per row."""
-        delta = self._encode(keys, contexts)
+        restarts = self._client.restarts if self._client is not None else 0
+        if restarts != self._sender_actor:  # a new actor holds no contexts
+            self._sender.reset()
+            self._sender_actor = restarts
+        delta = self._sender.encode(keys, contexts)
         result = None
         if self._client is not None:
             result = self._client.propose(delta, budgets, step_s, temps, per_token_s, hints)
@@ -380,39 +379,6 @@ class DuoProposer:
         else:  # rows the draft side could not decode: in full next step
             self._sender.forget(getattr(result, "resend", ()))
         return result
-
-    def _encode(self, keys, contexts):
-        """The contexts as a delta against what the draft side holds."""
-        restarts = self._client.restarts if self._client is not None else 0
-        if restarts != self._sender_actor:  # a new actor holds no contexts
-            self._sender.reset()
-            self._sender_actor = restarts
-        return self._sender.encode(keys, contexts)
-
-    def _feed(self, keys, contexts, budgets, temps, temps_or_0, lookups) -> list[Hint] | None:
-        """A step without the draft model: its contexts go to the draft side without
-        vLLM waiting (the background thread catches up and pre-drafts on the idle
-        draft core), so drafting resumes warm and the gate's trials of it are fair.
-        Returns the step's hints."""
-        hints = self._hints(keys, temps_or_0, lookups)
-        if not self.config.parallel:  # nothing runs in the background
-            return hints
-        cost = self.step_time.cost(len(keys))
-        step_s, per_token_s = (None, None) if cost is None else (cost.t0, cost.per_token)
-        delta = self._encode(keys, contexts)
-        if self._client is not None:
-            sent = self._client.feed(delta, budgets, step_s, temps, per_token_s, hints)
-        else:
-            try:
-                self._worker.feed(delta, budgets, step_s, temps, per_token_s, hints)
-                sent = True
-            except Exception as e:  # the step keeps its lookup drafts; the next propose()
-                sent = False        # finds out whether the draft side is gone
-                logger.debug("DuoProposer: feed failed (%s: %s)", type(e).__name__, e)
-        if not sent:  # the draft side did not get it: all in full next time
-            self._sender.reset()
-        self._feeds += sent
-        return hints
 
     def _observe_step(self, rows, num_tokens_no_spec, skip: bool = False) -> None:
         """The step that just ran: a sample of T(B, e), and of the goodput of its mode.
@@ -457,7 +423,6 @@ class DuoProposer:
             "propose_wait_ms": 1e3 * self._wait_s / self._calls if self._calls else 0.0,
             "propose_errors": self._errors,
             "gate_plain_steps": self.gate.plain_steps,
-            "gate_fed_steps": self._feeds,  # of those, sent to keep the draft warm
             "gate_tokens_per_s": self.gate.rates(),
             "target_step_ms_by_batch": {
                 b: 1e3 * self.step_time.cost(b).t0 for b in self.step_time.batch_sizes()},

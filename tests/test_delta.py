@@ -258,19 +258,12 @@ class FakeClient:
     def __init__(self):
         self.restarts = 0
         self.receiver = DeltaReceiver()
-        self.deltas, self.seen, self.fed = [], [], []
+        self.deltas, self.seen = [], []
         self.answer = True
 
     def restart(self, noticed=True):
         self.receiver = DeltaReceiver()
         self.restarts += noticed
-
-    def feed(self, delta, budgets, step_s, *args):
-        self.fed.append(delta)
-        if not self.answer:  # unhealthy: ActorClient.feed sends nothing
-            return False
-        self.seen.append(self.receiver.decode(delta)[0])
-        return True
 
     def propose(self, delta, budgets, step_s, *args):
         self.deltas.append(delta)
@@ -326,58 +319,3 @@ def test_the_proposer_resends_in_full_after_a_restart_or_an_unanswered_step():
     client.answer = True  # the unanswered call may not have reached the actor
     next_step([0, 0])
     next_step([27, 33])
-
-
-def test_steps_left_to_plain_decoding_feed_the_same_deltas_without_a_wait():
-    """Gate off: each step's delta goes to the actor's feed (no propose, no draft); the
-    deltas of feed and propose form one sequence, and one the actor did not get (an
-    unhealthy actor) makes the next go in full."""
-    client = FakeClient()
-    p = proposer(client)
-    on = [True]
-    p.gate.drafting = lambda batch, sampled: on[0]
-    p._runner = object()  # the gate needs vLLM's runner (request ids: rows here)
-    ctx = [list(range(1, 20)), list(range(5, 30))]
-
-    def step(want_starts, via):
-        nonlocal ctx
-        ctx = [c + [7] for c in ctx]
-        drafts = vllm_step(p, ctx)
-        sent = (client.fed if via == "feed" else client.deltas)[-1]
-        assert sent.starts == want_starts
-        if client.answer:
-            assert [list(c) for c in client.seen[-1]] == ctx
-        return drafts
-
-    assert step([0, 0], "propose") == [[1], [1]]
-    on[0] = False
-    assert step([20, 26], "feed") == [[], []] and len(client.deltas) == 1  # vLLM did not wait
-    assert step([21, 27], "feed") == [[], []]
-    on[0] = True
-    assert step([22, 28], "propose") == [[1], [1]]  # drafting resumes on the fed contexts
-    on[0] = False
-    client.answer = False
-    step([23, 29], "feed")  # not sent
-    client.answer = True
-    step([0, 0], "feed")
-    assert p._feeds == 3  # the stat gate_fed_steps
-
-
-def test_a_fed_worker_catches_up_in_the_background_and_the_next_step_builds_on_it():
-    be, w, seen = worker(parallel=True)
-    try:
-        sender = DeltaSender()
-        ctx = [np.arange(1, 40, dtype=np.int32)]
-        assert w.feed(sender.encode(["a"], ctx), [3], 0.05) is None  # returns at once
-        assert w.wait_idle()
-        np.testing.assert_array_equal(w.drafter.pool.slots[0].tokens[:39], ctx[0])
-        prefilled = w.drafter.stats.predraft_tokens
-        assert prefilled >= 38
-        ctx = [np.append(ctx[0], np.int32(5))]
-        delta = sender.encode(["a"], ctx)
-        assert delta.starts == [39]  # the feed's context is the base
-        assert w.propose(delta, [3], 0.05)[0]  # a draft, from the fed state
-        assert w.drafter.stats.prefill_tokens + w.drafter.stats.predraft_tokens \
-            - prefilled <= 8  # the new token and a short chain, not the context again
-    finally:
-        w.close()

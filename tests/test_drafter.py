@@ -225,29 +225,6 @@ def test_controller_drafts_nothing_when_drafting_does_not_pay():
     assert d.stats.floor_steps == 3 and d.stats.chosen_lengths == {0: 3}
 
 
-def test_a_step_left_to_plain_decoding_keeps_the_draft_warm():
-    """The gate left the step to plain decoding (serve=False, warm): no draft is served,
-    and even where drafting does not pay every row is caught up in the background,
-    so drafting resumes without re-evaluating the context."""
-    be, d = make(auto())
-    d.draft_time = FixedDraftTime(1.0)  # drafting does not pay: the plan is depth 0
-    seq = [1, 2, 3, 4, 5]
-    assert d.propose([ctx(*seq)], [4], target_step_s=0.05, per_token_s=0.002,
-                     serve=False) == [[]]
-    assert d.jobs == []  # not warm: no draft work at all (as when drafting does not pay)
-    assert d.propose([ctx(*seq)], [4], target_step_s=0.05, per_token_s=0.002,
-                     serve=False, warm=True) == [[]]
-    assert [(j.slot_id, list(j.prefix), j.evals) for j in d.jobs] == [(0, seq, 0)]
-    d.predraft()
-    assert list(d.pool.slots[0].tokens) == seq  # caught up, nothing drafted past it
-    assert d.stats.returned_tokens == 0 and d.stats.floor_steps == 0
-    be.evaluated.clear()
-    seq.append(be.next_token(seq[-1]))
-    d.draft_time = FixedDraftTime(0.001)  # drafting pays again: only the new token is evaluated
-    (draft,) = d.propose([ctx(*seq)], [4], target_step_s=0.05, per_token_s=0.002)
-    assert draft and be.evaluated[0][1:] == ([seq[-1]], len(seq) - 1)
-
-
 def test_controller_verifying_too_expensive_gives_zero_then_probes():
     be, d = make(auto())
     d.draft_time = FixedDraftTime(0.001)

@@ -215,10 +215,14 @@ def test_gate_follows_a_change():
 def test_the_longer_wait_counts_the_losses_of_the_mode_retried_only():
     gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
     run_gate(gate, 1, rate_on=40.0, rate_off=25.0, steps=150)  # plain decoding loses twice
-    modes = run_gate(gate, 1, rate_on=10.0, rate_off=25.0, steps=600)  # now drafting is slow
-    retries = [i for i in range(1, 600) if modes[i] and not modes[i - 1]]
+    modes = run_gate(gate, 1, rate_on=10.0, rate_off=25.0, steps=1000)  # now drafting is slow
+    # plain decoding lost twice and far: its next trial comes 4x later (a mode changes only
+    # at the end of a trial); it wins, and drafting is retried from then on
+    switch = modes.index(False)
+    assert 300 < switch <= 400
+    retries = [i - switch for i in range(switch, 1000) if modes[i] and not modes[i - 1]]
     # drafting's own first two losses are retried at the usual interval, then 4x later
-    assert retries[:2] == [pytest.approx(107, abs=3), pytest.approx(220, abs=3)]
+    assert retries[:2] == [pytest.approx(100, abs=3), pytest.approx(213, abs=3)]
     assert len(retries) == 2
 
 
@@ -235,3 +239,15 @@ def test_a_new_batch_size_starts_in_the_mode_that_won_at_the_nearest_smaller_one
     modes = run_gate(gate, 16, rate_on=90.0, rate_off=30.0, steps=60)
     assert modes[:10] == [False] * 10 and all(modes[-20:])
     assert gate.drafting(1)  # and a smaller size keeps its own verdict
+
+
+def test_a_dip_between_trials_does_not_switch_the_mode():
+    """The steps while the draft prefills a new long prompt are slow with drafting on;
+    such a dip must not turn drafting off for a whole retry interval."""
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    run_gate(gate, 1, rate_on=60.0, rate_off=20.0, steps=60)  # judged: drafting pays
+    before = gate.plain_steps  # the first trial of plain decoding
+    modes = run_gate(gate, 1, rate_on=5.0, rate_off=20.0, steps=20)  # a cold stretch
+    modes += run_gate(gate, 1, rate_on=60.0, rate_off=20.0, steps=40)
+    assert all(modes)  # no trial of plain decoding was due: drafting throughout
+    assert before > 0 and gate.plain_steps == before

@@ -14,7 +14,7 @@ from duo_vllm.proposer import DuoProposer, valid_prefix
 
 class FakeWorker:
     def __init__(self, drafts=None):
-        self.calls, self.fed, self.prefetched = [], [], []
+        self.calls = []
         self.drafts = drafts
         self.receiver = DeltaReceiver()  # the proposer sends deltas, as to DraftWorker
 
@@ -26,14 +26,6 @@ class FakeWorker:
                                step_s=step_s, temps=temps, per_token_s=per_token_s,
                                hints=hints))
         return self.drafts or [[1, 2, 3, 4] for _ in contexts]
-
-    def feed(self, contexts, budgets, step_s, temps=None, per_token_s=None, hints=None):
-        if isinstance(contexts, Delta):
-            contexts, resend = self.receiver.decode(contexts)
-        self.fed.append([list(c) for c in contexts])
-
-    def prefetch(self, prompts):
-        self.prefetched.extend([list(c) for c in prompts])
 
     def stats(self):
         return {}
@@ -130,24 +122,16 @@ def test_a_draft_is_cut_at_its_first_invalid_token(clock):
     assert valid_prefix([], 50) == []
 
 
-def test_gate_off_means_no_wait_for_the_draft_side_which_is_fed_the_step(clock):
-    for parallel in (True, False):
-        w = FakeWorker()
-        p = bare(w)
-        p.config = DuoConfig(use_actor=False, parallel=parallel)
-        p._prefetch = parallel  # the new-request hook is installed
-        ids_batch = SimpleNamespace(temperature_cpu=np.zeros(2, dtype=np.float32),
-                                    req_ids=["a", "b"])
-        p.attach_runner(SimpleNamespace(input_batch=ids_batch))
-        p.gate.drafting = lambda batch, sampled: False  # plain decoding measured faster
-        sampled, n, ids = inputs([[1, 2], [3, 4]])
-        assert p.propose(sampled, n, ids) == [[], []]
-        assert w.calls == []  # no draft asked for, none waited for
-        # in parallel mode the idle draft side keeps its state current: warm when on again
-        assert w.fed == ([[[1, 2], [3, 4]]] if parallel else [])
-        p.on_new_requests([SimpleNamespace(prompt_token_ids=[1, 2, 3])])
-        assert w.prefetched == ([[1, 2, 3]] if parallel else [])
-        assert p._errors == 0
+def test_gate_off_means_no_call_to_the_draft_side(clock):
+    w = FakeWorker()
+    p = bare(w)
+    ids_batch = SimpleNamespace(temperature_cpu=np.zeros(2, dtype=np.float32), req_ids=["a", "b"])
+    p.attach_runner(SimpleNamespace(input_batch=ids_batch))
+    p.gate.drafting = lambda batch, sampled: False  # plain decoding measured faster
+    sampled, n, ids = inputs([[1, 2], [3, 4]])
+    assert p.propose(sampled, n, ids) == [[], []]
+    assert w.calls == []
+    p.on_new_requests([SimpleNamespace(prompt_token_ids=[1, 2, 3])])  # no prefill either
 
 
 def test_the_gate_sees_the_tokens_each_step_produced(clock):
