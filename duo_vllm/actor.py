@@ -86,6 +86,7 @@ class DraftWorker:
         self._waiting = 0  # propose() calls waiting for the drafter
         self._stash = None  # contexts of a step that could not wait for the drafter
         self._prompts: list = []  # prompts vLLM is prefilling, for the background thread
+        self._paused = False  # the gate turned drafting off: no background work till a call
         self._contexts = DeltaReceiver()  # the contexts of the last step, per request
         self._max_prompts = self.limits.max_sequences
         self._lock_wait_s, self._proposes = 0.0, 0  # steps' waits for a decode under way
@@ -154,6 +155,7 @@ class DraftWorker:
                  hints) -> list[list[int]]:
         with self._state:
             self._waiting += 1
+            self._paused = False
         patience = self._patience(target_step_s)
         t0 = time.perf_counter()
         got = self._lock.acquire(timeout=patience) if self._thread else self._lock.acquire()
@@ -200,12 +202,22 @@ class DraftWorker:
             return 0
         with self._state:
             self._prompts = (self._prompts + list(contexts))[-self._max_prompts:]
+            self._paused = False
         self._wake.set()
         return len(contexts)
 
+    def pause(self) -> None:
+        """The gate turned drafting off: drop the background work queued (prompts to
+        prefill, a stashed step, pre-drafts), so the draft core goes idle; its memory
+        traffic would slow the target (benchmarks/contention.py). A decode call under
+        way ends first. The next propose() or prefetch() resumes from the state held."""
+        with self._state:
+            self._prompts, self._stash = [], None
+            self._paused = True
+
     def _interrupted(self) -> bool:
         """A step is waiting for the drafter, or has left newer contexts."""
-        return self._waiting > 0 or self._stash is not None
+        return self._waiting > 0 or self._stash is not None or self._paused
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """Block until the pending pre-draft has run (tests and profiling)."""
@@ -235,6 +247,8 @@ class DraftWorker:
                         self._deadline = None
                     if prompts and self.drafter.prefetch(prompts):
                         self._deadline = None  # the target's prefill is no step
+                    if self._paused:
+                        self.drafter.jobs = []
                     if not self.drafter.jobs:
                         break
                     self.drafter.predraft(self._interrupted, self._deadline)

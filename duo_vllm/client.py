@@ -135,6 +135,18 @@ class ActorClient:
             return False
         return True
 
+    def pause(self) -> bool:
+        """Tell the actor the gate turned drafting off (it drops its background work);
+        never waits. Skipped, like :meth:`prefetch`, while the actor is stalled,
+        restarting or gone."""
+        if not self.healthy or self._pending is not None:
+            return False
+        try:
+            self.actor.pause.remote()
+        except Exception:  # the actor is gone: the next propose() finds out and recovers
+            return False
+        return True
+
     def _observe_answer(self, seconds: float) -> None:
         a = self._answer_s
         if a is None:

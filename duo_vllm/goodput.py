@@ -374,6 +374,12 @@ class DraftGate:
             self.plain_steps += 1
         return on
 
+    def mode(self, batch: int, sampled: bool = False) -> bool:
+        """The mode a step of ``batch`` requests would get now (no bookkeeping; a trial
+        that falls due at that step aside)."""
+        b = self.bucket(batch, sampled)
+        return self._mode[b] if b in self._mode else self.first_mode(b)
+
     def first_mode(self, b) -> bool:
         """A new bucket's first mode: the verdict of the nearest smaller batch size judged
         in both modes, in the same regime or, for sampled steps, a greedy one (drafting

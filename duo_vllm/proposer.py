@@ -260,7 +260,9 @@ class DuoProposer:
         keys = self._request_keys(rows)
         lookups = self._lookups(keys, contexts, lookup_caps)
         if self._runner is not None and self._gated:  # it needs request ids to count tokens
-            self._on = self.gate.drafting(len(rows), self._sampled)
+            was_on, self._on = self._on, self.gate.drafting(len(rows), self._sampled)
+            if was_on and not self._on:
+                self._pause_draft()
         if not self._on:  # the draft model does not pay at this batch size: no draft work
             return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, None)
         cost = self.step_time.cost(len(rows))
@@ -335,15 +337,19 @@ class DuoProposer:
             return None
         return [float(temps[i]) for i in rows]
 
-    def on_new_requests(self, new_reqs) -> None:
+    def on_new_requests(self, new_reqs, batch: int | None = None) -> None:
         """vLLM is about to prefill ``new_reqs`` (its ``scheduled_new_reqs``).
 
         Called by the hook of :mod:`duo_vllm.vllm_patches` before the step's
-        forward pass; hands the prompts to the draft side without waiting.
+        forward pass; hands the prompts to the draft side without waiting,
+        where the gate drafts at the step's ``batch`` size (its scheduled
+        requests, running and new).
         """
         self._new_requests = True
-        if self._passive or not self._prefetch or self._failed or not self._on:
+        if self._passive or not self._prefetch or self._failed:
             return
+        if self._gated and self._runner is not None and not self._will_draft(new_reqs, batch):
+            return  # the gate keeps drafting off at the batch size they make: no draft work
         prompts = [np.asarray(r.prompt_token_ids, dtype=np.int32) for r in new_reqs
                    if getattr(r, "prompt_token_ids", None)]
         prompts = [p for p in prompts if len(p) < self.max_model_len - 1]
@@ -353,6 +359,24 @@ class DuoProposer:
             self._client.prefetch(prompts)
         else:
             self._worker.prefetch(prompts)
+
+    def _will_draft(self, new_reqs, batch: int | None) -> bool:
+        """Will the gate draft for the batch these new requests join (``batch``, else the
+        last step's requests and these; sampled if any of them samples)?"""
+        temps = [getattr(getattr(r, "sampling_params", None), "temperature", 0.0) or 0.0
+                 for r in new_reqs]
+        sampled = self._sampled or any(t > 1e-5 for t in temps)
+        return self.gate.mode(batch or self._last_step[0] + len(new_reqs), sampled)
+
+    def _pause_draft(self) -> None:
+        """The gate turned drafting off: the draft side drops its background work."""
+        try:
+            if self._client is not None:
+                self._client.pause()
+            else:
+                self._worker.pause()
+        except Exception as e:  # the next propose() finds out whether the side is gone
+            logger.debug("DuoProposer: pause failed (%s: %s)", type(e).__name__, e)
 
     def _draft(self, keys, contexts, budgets, step_s, temps=None, per_token_s=None,
                hints=None) -> list[list[int]] | None:

@@ -156,8 +156,10 @@ def with_new_request_hook(update_states):
             if attach is not None and getattr(proposer, "_runner", None) is not self:
                 attach(self)  # the proposer reads each request's sampling settings from it
             if new_reqs:
+                # the requests of the coming step, running and new
+                batch = len(getattr(scheduler_output, "num_scheduled_tokens", None) or ()) or None
                 try:
-                    proposer.on_new_requests(new_reqs)
+                    proposer.on_new_requests(new_reqs, batch=batch)
                 except Exception:
                     logger.exception("duo_vllm: the new-request hook failed; the step goes on")
         return update_states(self, scheduler_output, *args, **kwargs)

@@ -511,3 +511,28 @@ def test_the_pre_draft_continues_what_the_proposer_serves(lookup, alpha_lookup, 
     want, source = choose(own, hint.tokens, hint.alpha_model, hint.alpha_lookup, hint.threshold)
     assert source == served
     assert list(d.jobs[0].prefix) == [1, 2, *want]
+
+
+def test_pause_drops_the_background_work_and_the_next_step_resumes():
+    import time
+
+    be, w = slow_worker(0.01)
+    freeze_timings(w.drafter, token_s=0.01, prefill_s=0.01)
+    try:
+        long = ctx(*[(3 * i) % 50 for i in range(300)])  # 3 s of prefill in 64-token chunks
+        w.prefetch([long, ctx(*[(5 * i) % 50 for i in range(300)])])
+        time.sleep(0.2)  # a chunk or two under way
+        w.pause()  # the gate turned drafting off
+        t0 = time.perf_counter()
+        assert w.wait_idle(timeout=10)
+        assert time.perf_counter() - t0 < 1.0  # the chunk under way ends; nothing follows it
+        held = max(len(s.tokens) for s in w.drafter.pool.slots)
+        time.sleep(0.3)
+        assert max(len(s.tokens) for s in w.drafter.pool.slots) == held < 300  # idle
+        seq = np.append(long, np.int32(be.next_token(int(long[-1]))))
+        assert w.propose([seq], [3], 0.05) == [[]]  # drafting resumes: prefilled again
+        assert w.wait_idle(timeout=20)
+        seq = np.append(seq, np.int32(be.next_token(int(seq[-1]))))
+        assert w.propose([seq], [3], 0.05)[0] == be.chain(int(seq[-1]), 3)
+    finally:
+        w.close()

@@ -251,3 +251,12 @@ def test_a_dip_between_trials_does_not_switch_the_mode():
     modes += run_gate(gate, 1, rate_on=60.0, rate_off=20.0, steps=40)
     assert all(modes)  # no trial of plain decoding was due: drafting throughout
     assert before > 0 and gate.plain_steps == before
+
+
+def test_mode_peeks_without_counting_a_step():
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    run_gate(gate, 1, rate_on=20.0, rate_off=40.0, steps=60)  # batch 1: plain decoding wins
+    clock = dict(gate._clock)
+    assert gate.mode(1) is False and gate.mode(2) is False  # 2-3 would start as 1 ended
+    assert gate.mode(1, sampled=True) is False
+    assert gate._clock == clock  # no step counted, no trial moved

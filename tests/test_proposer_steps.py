@@ -226,3 +226,44 @@ def test_lookup_tokens_that_do_not_pay_are_not_served(clock):
         p.lookup.acceptance[LOOKUP].observe(("row", 0), "greedy", 0, 1)  # never accepted
     sampled, n, ids = inputs([[5, 6, 7, 8, 5, 6, 9, 5, 6]])
     assert p.propose(sampled, n, ids) == [[]]
+
+
+class PausingWorker(FakeWorker):
+    def __init__(self):
+        super().__init__()
+        self.pauses, self.prefetched = 0, []
+
+    def pause(self):
+        self.pauses += 1
+
+    def prefetch(self, prompts):
+        self.prefetched.append([len(p) for p in prompts])
+
+
+def test_the_gate_turning_drafting_off_pauses_the_draft_side_and_prompts_follow_the_gate(clock):
+    w = PausingWorker()
+    p = bare(w)
+    p._prefetch = True  # the new-request hook is installed
+    batch = SimpleNamespace(temperature_cpu=np.zeros(2, dtype=np.float32), req_ids=["a", "b"])
+    p.attach_runner(SimpleNamespace(input_batch=batch))
+    modes = iter([True, False, False, True])
+    p.gate.drafting = lambda b, sampled: next(modes)
+    for _ in range(4):
+        sampled, n, ids = inputs([[1, 2], [3, 4]])
+        p.propose(sampled, n, ids)
+    assert w.pauses == 1  # once, when drafting went off
+    new = [SimpleNamespace(prompt_token_ids=[1, 2, 3],
+                           sampling_params=SimpleNamespace(temperature=0.0))]
+    asked = []
+    p.gate.mode = lambda b, sampled: asked.append((b, sampled)) or b < 3
+    p.on_new_requests(new, batch=1)  # the scheduler's count: one request, where it drafts
+    assert w.prefetched == [[3]] and asked[-1] == (1, False)
+    w.prefetched.clear()
+    p.on_new_requests(new)  # no count: two running + one new, 3 requests: the gate is off
+    assert w.prefetched == [] and asked[-1] == (3, False)
+    p._last_step = (1, 0)  # one running request: 2 with the new one, where the gate drafts
+    p.on_new_requests(new)
+    assert w.prefetched == [[3]]
+    p.on_new_requests([SimpleNamespace(prompt_token_ids=[5, 6],
+                                       sampling_params=SimpleNamespace(temperature=0.7))])
+    assert asked[-1] == (2, True)  # a sampled newcomer makes the batch a sampled one

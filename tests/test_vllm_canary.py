@@ -108,7 +108,7 @@ class Probe:
                 slot_mappings=None):
         return [[] for _ in sampled_token_ids]
 
-    def on_new_requests(self, new_reqs):
+    def on_new_requests(self, new_reqs, batch=None):
         pass
 
 
@@ -174,7 +174,9 @@ def test_input_batch_has_what_the_proposer_reads():
 def test_scheduler_output_carries_new_requests_with_prompts():
     from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 
-    assert "scheduled_new_reqs" in {f.name for f in dataclasses.fields(SchedulerOutput)}
+    # the hook reads both: the new prompts, and the step's scheduled requests (its batch)
+    assert {"scheduled_new_reqs", "num_scheduled_tokens"} <= {
+        f.name for f in dataclasses.fields(SchedulerOutput)}
     assert {"req_id", "prompt_token_ids"} <= {f.name for f in dataclasses.fields(NewRequestData)}
 
 

@@ -82,12 +82,13 @@ def test_new_request_hook_tells_the_drafter_before_the_step_and_never_breaks_it(
     assert with_new_request_hook(Runner._update_states) is Runner._update_states  # idempotent
 
     class Drafter:
-        def on_new_requests(self, reqs):
-            calls.append(("hook", [r.prompt_token_ids for r in reqs]))
+        def on_new_requests(self, reqs, batch=None):
+            calls.append(("hook", [r.prompt_token_ids for r in reqs], batch))
 
-    new = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(prompt_token_ids=[1, 2, 3])])
+    new = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(prompt_token_ids=[1, 2, 3])],
+                          num_scheduled_tokens={"a": 3, "b": 1})  # one running, one new
     assert Runner(Drafter())._update_states(new) == "deferred"
-    assert calls == [("hook", [[1, 2, 3]]), ("update", 1)]  # the hook runs first
+    assert calls == [("hook", [[1, 2, 3]], 2), ("update", 1)]  # the hook runs first
 
     calls.clear()
     Runner(Drafter())._update_states(SimpleNamespace(scheduled_new_reqs=[]))
@@ -95,7 +96,7 @@ def test_new_request_hook_tells_the_drafter_before_the_step_and_never_breaks_it(
     assert calls == [("update", 0), ("update", 1)]
 
     class Broken:
-        def on_new_requests(self, reqs):
+        def on_new_requests(self, reqs, batch=None):
             raise RuntimeError("boom")
 
     calls.clear()
@@ -136,7 +137,7 @@ def test_new_request_hook_finds_a_proposer_that_vllm_wraps():
         def attach_runner(self, runner):
             self._runner = runner
 
-        def on_new_requests(self, reqs):
+        def on_new_requests(self, reqs, batch=None):
             seen.append(len(reqs))
 
     class Runner(WrappedRunner):
