@@ -364,7 +364,7 @@ class DraftGate:
                 self._trying[b] = on
             elif b in self._trying:  # the end of a trial: judge; between trials, keep the mode
                 on = self.faster_on(b)
-                if self._trying.pop(b, None) == self._mode[b]:
+                if self._trying.pop(b) == self._mode[b]:
                     # the end of a retried mode's trial: did it lose (again)?
                     lost = (b, self._mode[b])
                     self._lost[lost] = self._lost.get(lost, 0) + 1 if on != self._mode[b] else 0
