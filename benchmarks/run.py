@@ -25,6 +25,7 @@ Methods (2-core machine: DuoProposer's target on core 0, its draft on core 1):
   duo-single   DuoProposer, parallel pre-drafting, one branch
   duo-full     DuoProposer, parallel + multi-sequence + auto budget + context lookup
   duo-nolookup duo-full without lookup drafts (the ablation)
+  duo-fullctx  duo-full with the draft seeing whole contexts (no draft_window)
   oracle       replays plain-1core's greedy output (benchmarks/oracle.py), target on
                core 0: perfect drafts at no cost, the ceiling
 """
@@ -57,6 +58,8 @@ METHODS = {
                                     "budget": "auto"}),
     "duo-nolookup": dict(bind="0", duo={"parallel": True, "multi_sequence": True,
                                         "budget": "auto", "lookup": False}),
+    "duo-fullctx": dict(bind="0", duo={"parallel": True, "multi_sequence": True,
+                                       "budget": "auto", "draft_window": 0}),
     "oracle": dict(bind="0", spec={"model": "benchmarks.oracle.OracleProposer",
                                    "num_speculative_tokens": K}),
 }

@@ -79,7 +79,8 @@ class DraftWorker:
             logger.warning("DuoProposer: %s", warning)
         for note in self.limits.notes:
             logger.info("DuoProposer: %s", note)
-        self.drafter = DuoDrafter(backend, self.limits.max_sequences, self.limits.n_ctx, policy)
+        self.drafter = DuoDrafter(backend, self.limits.max_sequences, self.limits.n_ctx, policy,
+                                  window=config.draft_window or None)
         self.model_path, self.n_threads, self.k = model_path, n_threads, k
         self._lock = threading.Lock()  # the drafter and the llama.cpp context
         self._state = threading.Lock()  # _waiting and _stash

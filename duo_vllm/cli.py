@@ -151,12 +151,20 @@ def default_target_cores() -> str:
     return ",".join(str(c) for c in (cpus[:-1] if len(cpus) > 1 else cpus))
 
 
+# duo-vllm serve's default: lookups copied from the context may fill SERVE_K tokens a step,
+# the draft model drafts at most SERVE_MODEL_K of them (the benchmarks' configuration)
+SERVE_K, SERVE_MODEL_K = 8, 4
+
+
 def serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="duo-vllm serve", usage=SERVE_USAGE,
                                 description=SERVE_DESCRIPTION, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=4, metavar="N",
-                   help="most draft tokens per request per step (default: 4)")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=None, metavar="N",
+                   help="most draft tokens per request per step (default: %d, of which "
+                   "the draft model drafts at most %d and lookups copied from the context "
+                   "the rest; with lookup off, %d; with -k N both may draft N)"
+                   % (SERVE_K, SERVE_MODEL_K, SERVE_MODEL_K))
     p.add_argument("--duo", metavar="JSON",
                    help="DuoProposer options as a JSON object, or @file.json "
                         "(e.g. '{\"draft_cores\": [3], \"n_ctx\": 4096}'; README, Configuration)")
@@ -200,7 +208,7 @@ def build_serve_command(argv: list[str], environ: dict | None = None,
     if _has_flag(passthrough, "--speculative-config", "--speculative_config"):
         parser.error("--speculative-config is set by duo-vllm serve; use "
                      "--num-speculative-tokens and --duo instead")
-    if args.num_speculative_tokens < 1:
+    if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:
         parser.error("--num-speculative-tokens must be >= 1")
     duo = None
     if args.duo:
@@ -211,6 +219,11 @@ def build_serve_command(argv: list[str], environ: dict | None = None,
             DuoConfig.from_dict(duo)  # bad options fail here, not after vLLM has loaded
         except DuoConfigError as e:
             parser.error(str(e))
+    if args.num_speculative_tokens is None:
+        args.num_speculative_tokens = SERVE_MODEL_K
+        if (duo or {}).get("lookup", True):
+            args.num_speculative_tokens = SERVE_K
+            duo = {"max_draft_len": SERVE_MODEL_K, **(duo or {})}
     env = dict(os.environ if environ is None else environ)
     if args.target_cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.target_cores

@@ -77,8 +77,15 @@ class DuoConfig:
             attaches to.
         ray_address: ``None`` starts (or reuses) a local Ray instance;
             ``"auto"`` or ``"ray://..."``/``"host:port"`` joins a cluster.
+        draft_window: The draft sees each request's last ``draft_window``
+            tokens, not its whole context: a long prompt is prefilled in a
+            fraction of the time, so drafting starts sooner, and the window
+            slides on past ``n_ctx``. ``0`` (or ``None``): the whole context.
+            The target verifies every draft, so this trades acceptance for
+            speed, never output.
         n_ctx: llama.cpp context per sequence, in tokens. Longer requests get
-            no draft (plain decoding) rather than an error. Unset: vLLM's
+            no draft (plain decoding) rather than an error, unless
+            ``draft_window`` is set. Unset: vLLM's
             ``max_model_len``; either way at most the draft model's training
             context (see :func:`derive_draft_limits`).
         max_sequences: Requests whose draft state the actor keeps at once
@@ -129,6 +136,7 @@ class DuoConfig:
     actor_name: str = "duo_vllm_draft"
     namespace: str = "duo_vllm"
     ray_address: str | None = None
+    draft_window: int | None = 256
     n_ctx: int = 2048
     max_sequences: int = 8
     propose_timeout_s: float | str = "auto"
@@ -162,6 +170,11 @@ class DuoConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise DuoConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        w = self.draft_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int)
+                              or not (w == 0 or w >= 16)):
+            raise DuoConfigError(f"draft_window must be 0 (the whole context) or an integer "
+                                 f">= 16 (tokens), got {w!r}")
         for name in ("n_ctx", "max_sequences"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -30,7 +30,7 @@ from .goodput import (
     PROBE_EVERY, Acceptance, DraftTimeModel, TargetCost, expected_accepted, plan_predraft,
     plan_served, plan_sync, regime,
 )
-from .state import Slot, SlotPool, common_prefix_len
+from .state import Assignment, Slot, SlotPool, common_prefix_len, window_offset
 from .stats import DraftStats, Ema
 
 logger = logging.getLogger(__name__)
@@ -92,9 +92,12 @@ class DuoDrafter:
     CATCH_UP = 16  # a pre-draft job further behind than this holds a new prompt
     FLOOR_PREFETCH = 4  # after this many steps without drafts, new prompts are not prefilled
 
-    def __init__(self, backend, max_sequences: int, n_ctx: int, policy: DraftPolicy):
+    def __init__(self, backend, max_sequences: int, n_ctx: int, policy: DraftPolicy,
+                 window: int | None = None):
         self.backend, self.n_ctx, self.policy = backend, n_ctx, policy
-        self.pool = SlotPool(max_sequences)
+        # the draft sees each request's last ``window`` tokens (a window fills at most
+        # half the draft's context: it slides on by the other half)
+        self.pool = SlotPool(max_sequences, window=min(window, n_ctx // 2) if window else None)
         self.n_extra = max(policy.max_branches - 1, 0)
         self.trees: dict[int, Tree] = {}
         self.last_draft: dict[int, tuple[int, list[int], str]] = {}
@@ -190,7 +193,8 @@ class DuoDrafter:
             st.predraft_hits += 1
             st.branch_hits[r.tree.branches.index(r.branch)] += 1
         if chosen and depth > 0:
-            self._draft_chains([(r.row, r.slot, min(depth, r.k)) for r in chosen], contexts, out)
+            self._draft_chains([(r.row, r.slot, min(depth, r.k)) for r in chosen],
+                               {r.row: r.ctx for r in chosen}, out)
         self.live = {r.slot.seq_id for r in rows}
         for r in rows:
             draft = out[r.row]
@@ -233,6 +237,10 @@ class DuoDrafter:
         rows = []
         for row, (ctx, k, a, temp) in enumerate(zip(contexts, max_tokens,
                                                     self.pool.assign(contexts), temps)):
+            if a is not None and self.pool.window and len(a.view) + policy.k + 2 >= self.n_ctx:
+                a = self._slide(a.slot, ctx)  # the window is full: a new one, further on
+            if a is not None:
+                ctx = a.view  # from here on, the context as the slot holds it
             k = min(int(k), policy.k, self.n_ctx - len(ctx) - 1)
             if k <= 0 or len(ctx) == 0:
                 continue
@@ -288,6 +296,16 @@ class DuoDrafter:
                 return served, ([quiet], 1)
         return served, ([misses[i] for i in plan.rows], plan.depth)
 
+    def _slide(self, slot: Slot, ctx: np.ndarray) -> Assignment:
+        """Move a slot's window to the last ``window`` tokens of ``ctx`` (evaluated anew)."""
+        self._clear_tree(slot.seq_id)
+        self.backend.remove(slot.seq_id, 0, -1)
+        slot.tokens = np.zeros(0, dtype=np.int32)
+        slot.queued = slot.seen = None
+        self.last_draft.pop(slot.seq_id, None)
+        slot.offset = window_offset(len(ctx), self.pool.window)
+        return Assignment(slot, 0, slot.view(ctx))
+
     def prefetch(self, contexts: list[np.ndarray]) -> int:
         """Prompts the target is about to prefill: queue their evaluation.
 
@@ -308,6 +326,7 @@ class DuoDrafter:
             if a is None:
                 self.stats.no_slot += 1
                 continue
+            ctx = a.view
             if len(ctx) == 0 or len(ctx) + 2 >= self.n_ctx:
                 continue
             sid = a.slot.seq_id
@@ -359,8 +378,9 @@ class DuoDrafter:
         self._clear_tree(slot.seq_id)
         return list(branch.tokens[1:1 + n])
 
-    def _draft_chains(self, misses, contexts, out) -> None:
-        """Greedy chains from the real contexts, all requests decoded together."""
+    def _draft_chains(self, misses, contexts: dict, out) -> None:
+        """Greedy chains from the real contexts (by row, as the slots hold them), all
+        requests decoded together."""
         live, items = [], []
         for row, slot, n in misses:
             ctx = contexts[row]

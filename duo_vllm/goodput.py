@@ -317,8 +317,11 @@ class DraftGate:
     The controller's plan rests on a model (T, D, α); this gate checks its
     outcome. Per batch-size bucket (1, 2-3, 4-7, ...; steps where some
     request samples apart from all-greedy ones) it keeps the realised
-    goodput, tokens produced per second of wall time, with drafting on and
-    off, and drafts only while on is the faster of the two. Each mode runs
+    goodput with drafting on and off, tokens produced over the seconds they
+    took across the mode's recent steps (sums that decay by ``1 - weight``
+    a step: a ratio of sums, not an average of per-step ratios, so a short
+    run of slow steps weighs what it cost), and drafts only while on is the
+    faster of the two. Each mode runs
     ``trial_steps`` before it is judged (the first ``warmup_steps`` after
     turning drafting on are not counted: the draft catches up), and the
     slower mode is tried again every ``retry_every`` steps of the bucket, so
@@ -328,10 +331,11 @@ class DraftGate:
     """
 
     def __init__(self, trial_steps: int = 32, warmup_steps: int = 8, retry_every: int = 256,
-                 margin: float = 0.02, weight: float = 0.1):
+                 margin: float = 0.02, weight: float = 0.05):
         self.trial_steps, self.warmup_steps = trial_steps, warmup_steps
         self.retry_every, self.margin, self.weight = retry_every, margin, weight
-        self._rate: dict = {}  # (bucket, on) -> tokens/s (EMA)
+        self._sums: dict = {}  # (bucket, on) -> [tokens, seconds], decayed
+        self._rate: dict = {}  # (bucket, on) -> tokens/s: the ratio of those sums
         self._seen_at: dict = {}  # (bucket, on) -> the bucket's step of the last sample
         self._mode: dict = {}  # bucket -> drafting on?
         self._run: dict = {}  # bucket -> steps in the current mode
@@ -360,8 +364,9 @@ class DraftGate:
             other = (b, not on)
             stale = self._clock[b] - self._seen_at.get(other, -10 ** 9) > self._retry(b)
             if other not in self._rate or stale:
-                on = not on  # try the other mode (again)
+                on = not on  # try the other mode (again), measured afresh
                 self._trying[b] = on
+                self._sums.pop(other, None)
             elif b in self._trying:  # the end of a trial: judge; between trials, keep the mode
                 on = self.faster_on(b)
                 if self._trying.pop(b) == self._mode[b]:
@@ -420,9 +425,10 @@ class DraftGate:
         if on and self._mode.get(b) and self._run.get(b, 0) <= self.warmup_steps:
             return  # the draft is catching up: not yet what drafting gives
         key = (b, on)
-        rate = tokens / seconds
-        old = self._rate.get(key)
-        self._rate[key] = rate if old is None else old + self.weight * (rate - old)
+        sums = self._sums.setdefault(key, [0.0, 0.0])
+        sums[0] = (1 - self.weight) * sums[0] + tokens
+        sums[1] = (1 - self.weight) * sums[1] + seconds
+        self._rate[key] = sums[0] / sums[1]
         self._seen_at[key] = self._clock.get(b, 0)
 
     def rates(self) -> dict[str, float]:

@@ -7,6 +7,12 @@ keeps that prefix (its KV cache is still valid) and evaluates the rest. The
 caller never tells it what was accepted or rolled back. vLLM does not pass
 request ids to a custom proposer, so this matching is also what tells
 requests apart.
+
+A slot may hold a *window* of its request: the context from ``offset`` on
+(its last ``window`` tokens when the slot was taken), at draft positions
+0, 1, ... A long prompt is then prefilled in a fraction of the time, and the
+draft starts drafting sooner; drafts change speed, never output. Every array
+a slot holds, and every match against it, is in window coordinates.
 """
 
 from __future__ import annotations
@@ -38,6 +44,11 @@ class Slot:
     queued_at: int = 0
     # the context of the request it served last: its name even while nothing is evaluated
     seen: np.ndarray | None = None
+    offset: int = 0  # the request's context from here on is the slot's (its window)
+
+    def view(self, ctx: np.ndarray) -> np.ndarray:
+        """``ctx`` as this slot holds it: from its offset on."""
+        return ctx[self.offset:]
 
 
 @dataclass(frozen=True)
@@ -45,7 +56,8 @@ class Assignment:
     """A slot chosen for a context, and how much of the slot is reusable."""
 
     slot: Slot
-    reuse: int  # tokens of slot.tokens that equal the context's prefix
+    reuse: int  # tokens of slot.tokens that equal the view's prefix
+    view: np.ndarray  # the context as the slot holds it (from slot.offset on)
 
 
 class SlotPool:
@@ -60,15 +72,17 @@ class SlotPool:
        slot (a running request's) nor one queued for a prompt being prefilled;
     3. else none: the request decodes without a draft (``no_slot``).
 
-    Memory stays bounded: there are never more than ``size`` slots.
+    Memory stays bounded: there are never more than ``size`` slots. A slot
+    taken for a new context (2.) holds its last ``window`` tokens (``None``:
+    all of it); see :func:`window_offset`.
     """
 
     QUEUED_TTL = 256  # assign() calls a queued prompt keeps its slot without showing up
 
-    def __init__(self, size: int, min_reuse: int = 1):
+    def __init__(self, size: int, min_reuse: int = 1, window: int | None = None):
         if size < 1:
             raise ValueError("SlotPool needs at least one slot")
-        self.size = size
+        self.size, self.window = size, window
         self.slots = [Slot(seq_id=i) for i in range(size)]
         self.min_reuse = min_reuse
         self.template_len = 0  # the prefix all prompts share (learned by note_prompts)
@@ -86,6 +100,9 @@ class SlotPool:
             self._last_prompt = p
 
     def _match(self, slot: Slot, ctx: np.ndarray) -> int:
+        ctx = slot.view(ctx)
+        if len(ctx) == 0:
+            return 0
         m = common_prefix_len(slot.tokens, ctx)
         for name in (slot.queued, slot.seen):
             if name is not None:
@@ -128,10 +145,17 @@ class SlotPool:
             # no real prefix anywhere: an empty slot, else the least recently used one
             slot = min(free, key=lambda s: (len(s.tokens) > 0, s.last_used, s.seq_id))
             slot.queued = slot.seen = None  # names of another request
+            slot.offset = window_offset(len(ctx), self.window)
             out[i] = self._take(slot, ctx, taken)
         return out
 
     def _take(self, slot: Slot, ctx: np.ndarray, taken: set[int]) -> Assignment:
         slot.last_used = self.clock
         taken.add(slot.seq_id)
-        return Assignment(slot, common_prefix_len(slot.tokens, ctx))
+        view = slot.view(ctx)
+        return Assignment(slot, common_prefix_len(slot.tokens, view), view)
+
+
+def window_offset(length: int, window: int | None) -> int:
+    """Where a ``length``-token context's window starts: its last ``window`` tokens."""
+    return 0 if window is None or length <= window else length - window

@@ -21,7 +21,14 @@ def test_default_model_core_split_and_speculative_config(monkeypatch):
     cmd, env, _ = _build([])
     assert cmd[1] == "-m" and cmd[2].startswith("vllm.entrypoints.")
     assert cmd[3:7] == ["--model", "/cache/target", "--dtype", "float32"]
-    assert _spec(cmd) == {"model": "duo_vllm.DuoProposer", "num_speculative_tokens": 4}
+    # lookups may fill 8 tokens a step, the draft model drafts at most 4 of them
+    assert _spec(cmd) == {
+        "model": "duo_vllm.DuoProposer", "num_speculative_tokens": 8,
+        "draft_load_config": {"model_loader_extra_config": {"duo": {"max_draft_len": 4}}}}
+    cmd, _, _ = _build(["--duo", '{"lookup": false}'])  # no lookups: the model's 4 only
+    assert _spec(cmd)["num_speculative_tokens"] == 4
+    assert _spec(cmd)["draft_load_config"]["model_loader_extra_config"]["duo"] == {
+        "lookup": False}
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2"  # the draft gets CPU 3
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
 

@@ -27,6 +27,8 @@ def test_defaults_are_valid():
     ({"resources": ["duo_draft"]}, "resources"),
     ({"max_sequences": 1.5}, "max_sequences"),
     ({"draft_quant": "q3_k"}, "draft_quant"),
+    ({"draft_window": 8}, "draft_window"),
+    ({"draft_window": "all"}, "draft_window"),
 ])
 def test_bad_values_name_the_option(bad, words):
     with pytest.raises(DuoConfigError, match=words):

@@ -536,3 +536,35 @@ def test_pause_drops_the_background_work_and_the_next_step_resumes():
         assert w.propose([seq], [3], 0.05)[0] == be.chain(int(seq[-1]), 3)
     finally:
         w.close()
+
+
+def test_a_window_prefills_only_the_last_tokens_of_a_long_prompt():
+    be = FakeBackend()
+    d = DuoDrafter(be, max_sequences=2, n_ctx=100, policy=serial(k=3), window=8)
+    prompt = np.arange(1, 41, dtype=np.int32)  # 40 tokens
+    (draft,) = d.propose([prompt], [3])
+    assert sum(len(toks) for _, toks, _ in be.evaluated) == 8 + 2  # the window, then 2 draft steps
+    assert be.evaluated[0][1:] == (list(prompt[-8:]), 0)  # at draft positions from 0
+    assert draft == be.chain(40, 3)
+    be.evaluated.clear()
+    # the next step: only the new tokens, after the window
+    (draft2,) = d.propose([np.append(prompt, [draft[0], 9])], [3])
+    assert be.evaluated[0][1:] == ([9], 9)  # the window and the accepted draft token are held
+    assert draft2 == be.chain(9, 3)
+
+
+def test_a_window_slides_on_past_the_drafts_context():
+    policy = serial(k=3)
+    be, d = make(policy, n_ctx=20)
+    long = np.arange(1, 31, dtype=np.int32)  # longer than n_ctx
+    assert d.propose([long], [3]) == [[]]  # the whole context does not fit: no draft
+    be2 = FakeBackend()
+    d2 = DuoDrafter(be2, max_sequences=1, n_ctx=20, policy=policy, window=16)
+    assert d2.pool.window == 10  # at most half the draft's context
+    (draft,) = d2.propose([long], [3])
+    assert draft == be2.chain(30, 3)
+    grown = np.concatenate([long, np.arange(31, 38, dtype=np.int32)])  # the window is full
+    (draft2,) = d2.propose([grown], [3])
+    assert draft2 == be2.chain(37, 3)
+    assert d2.pool.slots[0].offset == len(grown) - 10
+    assert be2.seqs[0][:10] == list(grown[-10:])  # evaluated anew, from the new offset

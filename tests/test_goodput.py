@@ -260,3 +260,24 @@ def test_mode_peeks_without_counting_a_step():
     assert gate.mode(1) is False and gate.mode(2) is False  # 2-3 would start as 1 ended
     assert gate.mode(1, sampled=True) is False
     assert gate._clock == clock  # no step counted, no trial moved
+
+
+def test_the_verdict_weighs_a_cold_stretch_by_what_it_cost():
+    """Each request starts with steps where the draft is still prefilling (slow, one
+    token) before drafting pays (four tokens). A trial of plain decoding that comes
+    right after such a stretch must still find drafting faster overall."""
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    off = 1 / 25.0  # plain decoding: 25 tokens/s
+    modes = []
+    for step in range(1200):
+        on = gate.drafting(1)
+        modes.append(on)
+        cold = step % 30 < 14  # the first 14 steps of each 30-step request
+        tokens, seconds = (1, 1 / 15.0) if cold else (4, 4 / 60.0)
+        gate.observe(1, on, tokens if on else 1, seconds if on else off)
+    # drafting averages 39 tokens/s, plain 25: the only plain steps are plain decoding's
+    # trials (a first cold trial of drafting aside), each 11 steps, 100 or more apart
+    plain = [i for i in range(200, 1200) if not modes[i] and modes[i - 1]]
+    assert plain and all(modes[i:i + 11] == [False] * 11 and modes[i + 11] for i in plain)
+    assert all(b - a >= 100 for a, b in zip(plain, plain[1:]))
+    assert modes[200:].count(False) <= 5 * 11

@@ -91,3 +91,23 @@ def test_a_queued_slot_is_protected_until_its_request_comes_or_expires():
     pool.clock += pool.QUEUED_TTL + 1
     (y,) = pool.assign([a(9, 9)])  # its request never came
     assert y.slot.seq_id == 0 and y.slot.queued is None
+
+
+def test_a_window_slot_holds_the_context_from_its_offset_and_matches_there():
+    pool = SlotPool(2, window=4)
+    long = a(1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+    (x,) = pool.assign([long])
+    assert x.slot.offset == 6 and list(x.view) == [7, 8, 9, 10] and x.reuse == 0
+    x.slot.tokens = x.view  # evaluated
+    # the same request a step later: its view goes on from the same offset
+    (y,) = pool.assign([np.append(long, [11, 12])])
+    assert y.slot is x.slot and list(y.view) == [7, 8, 9, 10, 11, 12] and y.reuse == 4
+    # another request that shares the first six tokens only: not this slot's
+    (z,) = pool.assign([a(1, 2, 3, 4, 5, 6, 20, 21, 22)])
+    assert z.slot is not x.slot and list(z.view) == [5, 6, 20, 21, 22][-4:]
+
+
+def test_short_contexts_are_whole_under_a_window():
+    pool = SlotPool(1, window=8)
+    (x,) = pool.assign([a(1, 2, 3)])
+    assert x.slot.offset == 0 and list(x.view) == [1, 2, 3]
