@@ -77,8 +77,9 @@ class DuoConfig:
             attaches to.
         ray_address: ``None`` starts (or reuses) a local Ray instance;
             ``"auto"`` or ``"ray://..."``/``"host:port"`` joins a cluster.
-        draft_window: The draft sees each request's last ``draft_window``
-            tokens, not its whole context: a long prompt is prefilled in a
+        draft_window: The draft sees ``draft_window`` tokens of each request,
+            not its whole context: its first quarter of them (the chat template,
+            the instruction) and its last. A long prompt is prefilled in a
             fraction of the time, so drafting starts sooner, and the window
             slides on past ``n_ctx``. ``0`` (or ``None``): the whole context.
             The target verifies every draft, so this trades acceptance for

@@ -30,7 +30,7 @@ from .goodput import (
     PROBE_EVERY, Acceptance, DraftTimeModel, TargetCost, expected_accepted, plan_predraft,
     plan_served, plan_sync, regime,
 )
-from .state import Assignment, Slot, SlotPool, common_prefix_len, window_offset
+from .state import Assignment, Slot, SlotPool, common_prefix_len
 from .stats import DraftStats, Ema
 
 logger = logging.getLogger(__name__)
@@ -303,7 +303,7 @@ class DuoDrafter:
         slot.tokens = np.zeros(0, dtype=np.int32)
         slot.queued = slot.seen = None
         self.last_draft.pop(slot.seq_id, None)
-        slot.offset = window_offset(len(ctx), self.pool.window)
+        self.pool.place(slot, len(ctx))
         return Assignment(slot, 0, slot.view(ctx))
 
     def prefetch(self, contexts: list[np.ndarray]) -> int:

@@ -8,11 +8,13 @@ caller never tells it what was accepted or rolled back. vLLM does not pass
 request ids to a custom proposer, so this matching is also what tells
 requests apart.
 
-A slot may hold a *window* of its request: the context from ``offset`` on
-(its last ``window`` tokens when the slot was taken), at draft positions
-0, 1, ... A long prompt is then prefilled in a fraction of the time, and the
-draft starts drafting sooner; drafts change speed, never output. Every array
-a slot holds, and every match against it, is in window coordinates.
+A slot may hold a *window* of its request, ``window`` tokens of it: its
+first ``head`` (the chat template, the system prompt, the instruction) and,
+from ``offset`` on, its last ``window - head`` when the slot was taken; at
+draft positions 0, 1, ... A long prompt is then prefilled in a fraction of
+the time, and the draft starts drafting sooner; drafts change speed, never
+output. Every array a slot holds, and every match against it, is in window
+coordinates (:meth:`Slot.view`).
 """
 
 from __future__ import annotations
@@ -45,10 +47,13 @@ class Slot:
     # the context of the request it served last: its name even while nothing is evaluated
     seen: np.ndarray | None = None
     offset: int = 0  # the request's context from here on is the slot's (its window)
+    head: int = 0  # ... after its first ``head`` tokens
 
     def view(self, ctx: np.ndarray) -> np.ndarray:
-        """``ctx`` as this slot holds it: from its offset on."""
-        return ctx[self.offset:]
+        """``ctx`` as this slot holds it: its head, then from its offset on."""
+        if self.offset == 0:
+            return ctx
+        return np.concatenate([ctx[:self.head], ctx[self.offset:]])
 
 
 @dataclass(frozen=True)
@@ -100,14 +105,14 @@ class SlotPool:
             self._last_prompt = p
 
     def _match(self, slot: Slot, ctx: np.ndarray) -> int:
-        ctx = slot.view(ctx)
-        if len(ctx) == 0:
+        if len(ctx) <= slot.offset:  # shorter than the window's start: another request
             return 0
+        ctx = slot.view(ctx)
         m = common_prefix_len(slot.tokens, ctx)
         for name in (slot.queued, slot.seen):
             if name is not None:
                 m = max(m, common_prefix_len(name, ctx))
-        return m
+        return m if m > slot.head or not slot.offset else 0  # a shared head is no match
 
     def _protected(self, slot: Slot) -> bool:
         if slot.queued is None:
@@ -145,9 +150,13 @@ class SlotPool:
             # no real prefix anywhere: an empty slot, else the least recently used one
             slot = min(free, key=lambda s: (len(s.tokens) > 0, s.last_used, s.seq_id))
             slot.queued = slot.seen = None  # names of another request
-            slot.offset = window_offset(len(ctx), self.window)
+            self.place(slot, len(ctx))
             out[i] = self._take(slot, ctx, taken)
         return out
+
+    def place(self, slot: Slot, length: int) -> None:
+        """Set the window of a slot taken for a ``length``-token context."""
+        slot.head, slot.offset = window_offset(length, self.window)
 
     def _take(self, slot: Slot, ctx: np.ndarray, taken: set[int]) -> Assignment:
         slot.last_used = self.clock
@@ -156,6 +165,10 @@ class SlotPool:
         return Assignment(slot, common_prefix_len(slot.tokens, view), view)
 
 
-def window_offset(length: int, window: int | None) -> int:
-    """Where a ``length``-token context's window starts: its last ``window`` tokens."""
-    return 0 if window is None or length <= window else length - window
+def window_offset(length: int, window: int | None) -> tuple[int, int]:
+    """(head, offset): a ``length``-token context's window is its first ``head`` tokens
+    (a quarter of the window) and its tokens from ``offset`` on; (0, 0): all of it."""
+    if window is None or length <= window:
+        return 0, 0
+    head = window // 4
+    return head, length - (window - head)

@@ -544,7 +544,8 @@ def test_a_window_prefills_only_the_last_tokens_of_a_long_prompt():
     prompt = np.arange(1, 41, dtype=np.int32)  # 40 tokens
     (draft,) = d.propose([prompt], [3])
     assert sum(len(toks) for _, toks, _ in be.evaluated) == 8 + 2  # the window, then 2 draft steps
-    assert be.evaluated[0][1:] == (list(prompt[-8:]), 0)  # at draft positions from 0
+    # its first 2 tokens and its last 6, at draft positions from 0
+    assert be.evaluated[0][1:] == (list(prompt[:2]) + list(prompt[-6:]), 0)
     assert draft == be.chain(40, 3)
     be.evaluated.clear()
     # the next step: only the new tokens, after the window
@@ -566,5 +567,5 @@ def test_a_window_slides_on_past_the_drafts_context():
     grown = np.concatenate([long, np.arange(31, 38, dtype=np.int32)])  # the window is full
     (draft2,) = d2.propose([grown], [3])
     assert draft2 == be2.chain(37, 3)
-    assert d2.pool.slots[0].offset == len(grown) - 10
-    assert be2.seqs[0][:10] == list(grown[-10:])  # evaluated anew, from the new offset
+    assert d2.pool.slots[0].offset == len(grown) - 8  # a head of 2, a tail of 8
+    assert be2.seqs[0][:10] == list(grown[:2]) + list(grown[-8:])  # evaluated anew

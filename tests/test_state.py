@@ -93,18 +93,23 @@ def test_a_queued_slot_is_protected_until_its_request_comes_or_expires():
     assert y.slot.seq_id == 0 and y.slot.queued is None
 
 
-def test_a_window_slot_holds_the_context_from_its_offset_and_matches_there():
-    pool = SlotPool(2, window=4)
-    long = a(1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+def test_a_window_slot_holds_the_head_and_the_tail_and_matches_there():
+    pool = SlotPool(2, window=8)  # the first 2 tokens and the last 6
+    long = np.arange(1, 21, dtype=np.int32)  # 1..20
     (x,) = pool.assign([long])
-    assert x.slot.offset == 6 and list(x.view) == [7, 8, 9, 10] and x.reuse == 0
+    assert (x.slot.head, x.slot.offset) == (2, 14) and x.reuse == 0
+    assert list(x.view) == [1, 2, 15, 16, 17, 18, 19, 20]
     x.slot.tokens = x.view  # evaluated
     # the same request a step later: its view goes on from the same offset
-    (y,) = pool.assign([np.append(long, [11, 12])])
-    assert y.slot is x.slot and list(y.view) == [7, 8, 9, 10, 11, 12] and y.reuse == 4
-    # another request that shares the first six tokens only: not this slot's
-    (z,) = pool.assign([a(1, 2, 3, 4, 5, 6, 20, 21, 22)])
-    assert z.slot is not x.slot and list(z.view) == [5, 6, 20, 21, 22][-4:]
+    (y,) = pool.assign([np.append(long, [21, 22])])
+    assert y.slot is x.slot and list(y.view) == [1, 2, 15, 16, 17, 18, 19, 20, 21, 22]
+    assert y.reuse == 8
+    # another request that shares the head only: not this slot's
+    other = np.concatenate([long[:4], np.arange(40, 58)]).astype(np.int32)
+    (z,) = pool.assign([other])
+    assert z.slot is not x.slot and list(z.view) == [1, 2, 52, 53, 54, 55, 56, 57]
+    # a context shorter than the window's start never matches the slot by its head
+    assert pool._match(x.slot, long[:10]) == 0
 
 
 def test_short_contexts_are_whole_under_a_window():
