@@ -91,6 +91,7 @@ class DuoDrafter:
     MIN_PREFILL_CHUNK = 16  # ... when other requests' pre-drafts wait behind it
     CATCH_UP = 16  # a pre-draft job further behind than this holds a new prompt
     FLOOR_PREFETCH = 4  # after this many steps without drafts, new prompts are not prefilled
+    PROBE_CATCH_UP_STEPS = 4  # most target steps of prefill a probe may cost
 
     def __init__(self, backend, max_sequences: int, n_ctx: int, policy: DraftPolicy,
                  window: int | None = None):
@@ -445,8 +446,14 @@ class DuoDrafter:
                                    catch_up, 0.9 * self.expected_step_s, self.draft_time,
                                    min_gain=cost.per_token * batch / cost.t0)
             for i, r in enumerate(rows):
-                if depths[i] == 0 and self.quiet.get(r.slot.seq_id, 0) >= PROBE_EVERY:
-                    depths[i] = 1  # a probe: acceptance may have risen since
+                # a probe: acceptance may have risen since. Not of a row that would first
+                # need a prefill longer than PROBE_CATCH_UP_STEPS target steps (a prompt
+                # never evaluated): draft work, and memory traffic that slows the target,
+                # for one probed token
+                if depths[i] == 0 and self.quiet.get(r.slot.seq_id, 0) >= PROBE_EVERY \
+                        and r.catch_up * self.prefill_s.get(0.006) \
+                        <= self.PROBE_CATCH_UP_STEPS * cost.t0:
+                    depths[i] = 1
                     self.stats.probes += 1
         for r, p, m in zip(rows, prefixes, depths):
             if m > 0:  # a request planned no draft is not even caught up

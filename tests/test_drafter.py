@@ -238,6 +238,20 @@ def test_controller_verifying_too_expensive_gives_zero_then_probes():
     assert d.jobs[0].evals == 1  # a one-token probe: acceptance may have risen
 
 
+def test_controller_never_probes_a_row_whose_prompt_is_not_evaluated():
+    """At the floor, a probe of a row the draft holds nothing of would be a whole
+    prefill of draft work for one probed token: none is planned."""
+    be, d = make(auto(), n_ctx=1000)
+    d.draft_time = FixedDraftTime(0.001)
+    freeze_timings(d, token_s=0.015, prefill_s=0.006)
+    seq = [(7 * i) % 50 for i in range(150)]  # a long prompt, never prefetched
+    for _ in range(2 * PROBE_EVERY):  # c = T₀: a verified token costs a whole step
+        assert d.propose([ctx(*seq)], [4], target_step_s=0.05, per_token_s=0.05) == [[]]
+        assert d.jobs == []
+        seq.append(be.next_token(seq[-1]))
+    assert d.stats.probes == 0 and be.decode_calls == 0
+
+
 def test_controller_serves_more_to_requests_that_accept_more():
     be, d = make(auto(), seqs=2)
     d.draft_time = FixedDraftTime(0.002)
