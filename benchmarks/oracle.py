@@ -50,3 +50,22 @@ class OracleProposer:
 
     def load_model(self, *args, **kwargs) -> None:
         """Nothing to load."""
+
+
+class EmptyProposer:
+    """Proposes nothing, ever: vLLM's speculative step with no drafts.
+
+    Its speed is the floor a proposer reaches when it turns drafting off
+    (the ``spec-empty`` method of ``benchmarks/run.py``): plain decoding plus
+    whatever vLLM's speculative path costs with empty drafts.
+    """
+
+    def __init__(self, vllm_config):
+        pass
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
+                slot_mappings=None) -> list[list[int]]:
+        return [[] for _ in sampled_token_ids]
+
+    def load_model(self, *args, **kwargs) -> None:
+        """Nothing to load."""

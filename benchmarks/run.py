@@ -26,6 +26,8 @@ Methods (2-core machine: DuoProposer's target on core 0, its draft on core 1):
   duo-full     DuoProposer, parallel + multi-sequence + auto budget + context lookup
   duo-nolookup duo-full without lookup drafts (the ablation)
   duo-fullctx  duo-full with the draft seeing whole contexts (no draft_window)
+  spec-empty   vLLM's speculative step with empty drafts (benchmarks/oracle.py), target on
+               core 0: the floor of a proposer that turns drafting off
   oracle       replays plain-1core's greedy output (benchmarks/oracle.py), target on
                core 0: perfect drafts at no cost, the ceiling
 """
@@ -60,6 +62,8 @@ METHODS = {
                                         "budget": "auto", "lookup": False}),
     "duo-fullctx": dict(bind="0", duo={"parallel": True, "multi_sequence": True,
                                        "budget": "auto", "draft_window": 0}),
+    "spec-empty": dict(bind="0", spec={"model": "benchmarks.oracle.EmptyProposer",
+                                       "num_speculative_tokens": K}),
     "oracle": dict(bind="0", spec={"model": "benchmarks.oracle.OracleProposer",
                                    "num_speculative_tokens": K}),
 }
@@ -76,7 +80,8 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         return after
     d = {k: after.get(k, 0) - before.get(k, 0) for k in
          ("requests", "predraft_hits", "predraft_lookups", "steps", "returned_tokens",
-          "floor_steps", "no_slot", "probes", "gate_plain_steps", "lookup_rows",
+          "floor_steps", "no_slot", "probes", "gate_plain_steps", "gate_no_draft_steps",
+          "lookup_rows",
          "lookup_tokens_served", "lookup_tokens_accepted", "model_tokens_served",
          "model_tokens_accepted")}
     lengths = {int(n): c - before.get("chosen_lengths", {}).get(n, 0)
@@ -84,6 +89,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
     return {
         "floor_fraction": d["floor_steps"] / d["steps"] if d["steps"] else 0.0,
         "gate_plain_steps": d["gate_plain_steps"],
+        "gate_no_draft_steps": d["gate_no_draft_steps"],
         "gate_tokens_per_s": after.get("gate_tokens_per_s"),
         "no_slot": d["no_slot"], "probes": d["probes"],
         "sources": {src: {"served": d[f"{src}_tokens_served"],
@@ -132,6 +138,8 @@ def worker(req_path: str, out_path: str) -> None:
     for shape in req["shapes"]:
         batch, temp = shape["batch"], shape["temperature"]
         spec_before, duo_before = spec_decode_metrics(llm), draft_stats(llm) if is_duo else None
+        if is_duo:
+            recent_steps(llm, clear=True)
         rows = []
         for rep in range(req["repeats"]):
             if batch == "staggered":
@@ -165,9 +173,20 @@ def worker(req_path: str, out_path: str) -> None:
         after = spec_decode_metrics(llm)
         spec = {k: after[k] - spec_before[k] for k in ("drafts", "proposed", "accepted")}
         shapes.append({**shape, "rows": rows, "spec": spec,
-                       "duo": _stats_delta(duo_before, draft_stats(llm)) if is_duo else None})
+                       "duo": _stats_delta(duo_before, draft_stats(llm)) if is_duo else None,
+                       "steps": recent_steps(llm) if is_duo else None})
     bar.close()
     Path(out_path).write_text(json.dumps({"shapes": shapes}))
+
+
+def recent_steps(llm, clear: bool = False) -> list | None:
+    """DuoProposer's record of its last steps (``DuoProposer.recent_steps``), for profiles."""
+    try:
+        return llm.llm_engine.collective_rpc(
+            lambda self: self.model_runner.drafter.recent_steps.clear() if clear else
+            [list(x) for x in self.model_runner.drafter.recent_steps])[0]
+    except Exception:
+        return None
 
 
 def staggered(llm, prompts, shape, params, rep: int) -> dict:
@@ -318,7 +337,8 @@ def summarise(results: dict) -> dict:
                     "floor_fraction", "chosen_lengths", "no_slot", "probes",
                     "draft_call_ms_by_width", "verify_token_ms", "target_step_ms_by_batch",
                     "acceptance", "propose_wait_ms", "lock_wait_ms", "gate_plain_steps",
-                    "gate_tokens_per_s", "sources", "lookup_rows", "source_alpha")}
+                    "gate_no_draft_steps", "gate_tokens_per_s", "sources", "lookup_rows",
+                    "source_alpha")}
             if s["temperature"] == 0.0 and key in ref_shapes:
                 mine = [x["token_ids"] for x in rows if x["repeat"] == 0]
                 theirs = [x["token_ids"] for x in ref_shapes[key]["rows"] if x["repeat"] == 0]
@@ -390,7 +410,9 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                               (c.get("target_step_ms_by_batch") or {}).items())
             lines.append(f"- {name} controller: draft lengths served {c['chosen_lengths']}, "
                          f"steps the plan left plain {_f(c['floor_fraction'], '{:.0%}')}, "
-                         f"steps the gate left plain {c.get('gate_plain_steps')} (measured "
+                         f"steps the gate left without the draft model "
+                         f"{c.get('gate_plain_steps')} and without lookups too "
+                         f"{c.get('gate_no_draft_steps')} (measured "
                          f"tokens/s by batch bucket {_rates(c.get('gate_tokens_per_s'))}), "
                          f"rows without a slot {c['no_slot']}, probes {c['probes']}; "
                          f"measured: draft call ms by width {{{widths}}}, target step ms "
@@ -524,7 +546,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7],
+    ap.add_argument("--temperatures", type=float, nargs="*", default=[0.0, 0.7],
                     help="batch-1 temperatures")
     ap.add_argument("--sampled-batch-sizes", type=int, nargs="*", default=[4],
                     help="batch sizes > 1 also run at temperature 0.7")
