@@ -325,19 +325,13 @@ class DraftGate:
     ``trial_steps`` before it is judged (the first ``warmup_steps`` after
     turning drafting on are not counted: the draft catches up), and the
     slower mode is tried again every ``retry_every`` steps of the bucket, so
-    the gate follows the traffic and the hardware. A new bucket starts in the
-    mode that won at the nearest smaller judged one; where that was plain
-    decoding, or drafting but more than ``reach`` buckets below, it starts
-    plain and waits as long for its first trial of drafting. Modes change only at the
+    the gate follows the traffic and the hardware. Modes change only at the
     end of a trial: a dip between trials (the steps while the draft prefills
     a new long prompt, say) does not turn drafting off until the next trial.
     """
 
     def __init__(self, trial_steps: int = 32, warmup_steps: int = 8, retry_every: int = 256,
-                 margin: float = 0.02, weight: float = 0.05, labels: tuple = ("on", "off"),
-                 reach: int | None = 1):
-        self.labels = labels  # the two modes' names in :meth:`rates`
-        self.reach = reach  # buckets up that a win carries to a new bucket (None: any)
+                 margin: float = 0.02, weight: float = 0.05):
         self.trial_steps, self.warmup_steps = trial_steps, warmup_steps
         self.retry_every, self.margin, self.weight = retry_every, margin, weight
         self._sums: dict = {}  # (bucket, on) -> [tokens, seconds], decayed
@@ -368,11 +362,8 @@ class DraftGate:
         run = self._run[b] = self._run.get(b, 0) + 1
         if run > self.trial_steps + (self.warmup_steps if on else 0):
             other = (b, not on)
-            if other in self._rate:
-                due = self._clock[b] - self._seen_at[other] > self._retry(b)
-            else:  # never measured here: now, unless a smaller batch measured it slower
-                due = not (other[1] and self._lost_below(b)) or self._clock[b] > self._retry(b)
-            if due:
+            stale = self._clock[b] - self._seen_at.get(other, -10 ** 9) > self._retry(b)
+            if other not in self._rate or stale:
                 on = not on  # try the other mode (again), measured afresh
                 self._trying[b] = on
                 self._sums.pop(other, None)
@@ -406,16 +397,7 @@ class DraftGate:
             return True
         s, same = max(judged)  # the nearest size; the same regime first
         near = (s, sampled if same else False)
-        if self.reach is not None and size - s > self.reach:
-            return False  # a win at batch 1 says little of batch 16: plain decoding first
         return self._rate[(near, True)] > self._rate[(near, False)]
-
-    def _lost_below(self, b) -> bool:
-        """Did drafting lose at the nearest smaller judged batch size, or win only more
-        than ``reach`` buckets below (:meth:`first_mode`)? It pays less as the batch
-        grows: its first trial here waits, as a retry would, so a server does not pay a
-        trial of drafting at each new batch size where it is unlikely to pay."""
-        return not self.first_mode(b)
 
     def _retry(self, b) -> int:
         """Steps before the slower mode is tried again: 4x as many when it was far slower
@@ -450,5 +432,5 @@ class DraftGate:
         self._seen_at[key] = self._clock.get(b, 0)
 
     def rates(self) -> dict[str, float]:
-        return {f"{1 << b}{'s' if sampled else ''}+{self.labels[0 if on else 1]}": r
+        return {f"{1 << b}{'s' if sampled else ''}+{'on' if on else 'off'}": r
                 for ((b, sampled), on), r in sorted(self._rate.items())}

@@ -14,7 +14,6 @@ import logging
 import math
 import os
 import time
-from collections import deque
 from contextlib import contextmanager
 
 import numpy as np
@@ -183,10 +182,6 @@ class DuoProposer:
         self._prefetch = False
         self._passive = False  # a rank whose drafts vLLM does not use
         self.gate = DraftGate()  # drafting on only while it is measured to be faster
-        # with the draft model off: lookup drafts, or none (plain decoding), measured alike
-        # (lookups cost no draft work: a win carries to any larger batch size)
-        self.lookup_gate = DraftGate(labels=("lookup", "plain"), reach=None)
-        self._lookups_on = True  # the lookup gate's choice for the step under way
         # a fixed budget drafts every step
         self._gated = self.config.budget == "auto" and self.config.gate
         self._on = True  # the gate's choice for the step under way
@@ -196,9 +191,6 @@ class DuoProposer:
         self.lookup: ContextLookup | None = None  # drafts copied from the context
         self._sender = DeltaSender()  # each step's contexts as deltas (duo_vllm/delta.py)
         self._sender_actor = 0  # the actor the sender's deltas are against (its restart)
-        # the last steps, for profiles: (time, requests, model on, lookups on, prefill, tokens
-        # produced by the step before, draft tokens it verified)
-        self.recent_steps: deque = deque(maxlen=4096)
 
     @staticmethod
     def _draft_cores(cfg: DuoConfig) -> list[int] | None:
@@ -266,13 +258,11 @@ class DuoProposer:
         self._sampled = bool(temps) and max(temps) > 1e-5
         temps_or_0 = temps or [0.0] * len(rows)
         keys = self._request_keys(rows)
+        lookups = self._lookups(keys, contexts, lookup_caps)
         if self._runner is not None and self._gated:  # it needs request ids to count tokens
             was_on, self._on = self._on, self.gate.drafting(len(rows), self._sampled)
             if was_on and not self._on:
                 self._pause_draft()
-            self._lookups_on = self._on or self.lookup is None or \
-                self.lookup_gate.drafting(len(rows), self._sampled)
-        lookups = self._lookups(keys, contexts, lookup_caps, serve=self._lookups_on)
         if not self._on:  # the draft model does not pay at this batch size: no draft work
             return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, None)
         cost = self.step_time.cost(len(rows))
@@ -296,14 +286,11 @@ class DuoProposer:
         ids = getattr(getattr(self._runner, "input_batch", None), "req_ids", None) or []
         return [ids[i] if i < len(ids) and ids[i] is not None else ("row", i) for i in rows]
 
-    def _lookups(self, keys, contexts, caps, serve: bool = True):
-        """Each row's lookup draft (after scoring the last step's proposals); ``None``
-        without lookups, or where the lookup gate measured plain decoding faster."""
+    def _lookups(self, keys, contexts, caps):
+        """Each row's lookup draft (after scoring the last step's proposals)."""
         if self.lookup is None:
             return None
         self.lookup.observe(keys, contexts)
-        if not serve:
-            return None
         return [valid_prefix(d, self.target_vocab_size)
                 for d in self.lookup.propose(contexts, caps)]
 
@@ -429,8 +416,6 @@ class DuoProposer:
         new, self._new_requests = self._new_requests, False
         produced = self._produced(rows, num_tokens_no_spec)
         started, self._started_at = self._started_at, now
-        self.recent_steps.append((now, len(rows), self._on, self._lookups_on, new or skip,
-                                  produced, self._last_step[1]))
         if self._returned_at is None or skip or new:
             return
         batch, extra = self._last_step
@@ -441,9 +426,6 @@ class DuoProposer:
         self.step_time.observe(batch, extra, sample)
         if produced is not None and started is not None:
             self.gate.observe(batch, self._on, produced, now - started, self._sampled)
-            if not self._on and self.lookup is not None:
-                self.lookup_gate.observe(batch, self._lookups_on, produced, now - started,
-                                         self._sampled)
 
     def _produced(self, rows, num_tokens_no_spec) -> int | None:
         """Tokens the requests of the last step gained in it (from vLLM's input batch)."""
@@ -464,9 +446,8 @@ class DuoProposer:
             "propose_calls": self._calls,
             "propose_wait_ms": 1e3 * self._wait_s / self._calls if self._calls else 0.0,
             "propose_errors": self._errors,
-            "gate_plain_steps": self.gate.plain_steps,  # steps without the draft model
-            "gate_no_draft_steps": self.lookup_gate.plain_steps,  # ...nor lookups
-            "gate_tokens_per_s": {**self.gate.rates(), **self.lookup_gate.rates()},
+            "gate_plain_steps": self.gate.plain_steps,
+            "gate_tokens_per_s": self.gate.rates(),
             "target_step_ms_by_batch": {
                 b: 1e3 * self.step_time.cost(b).t0 for b in self.step_time.batch_sizes()},
             **(self.lookup.summary() if self.lookup is not None else {}),
