@@ -138,8 +138,6 @@ def worker(req_path: str, out_path: str) -> None:
     for shape in req["shapes"]:
         batch, temp = shape["batch"], shape["temperature"]
         spec_before, duo_before = spec_decode_metrics(llm), draft_stats(llm) if is_duo else None
-        if is_duo:
-            recent_steps(llm, clear=True)
         rows = []
         for rep in range(req["repeats"]):
             if batch == "staggered":
@@ -173,20 +171,9 @@ def worker(req_path: str, out_path: str) -> None:
         after = spec_decode_metrics(llm)
         spec = {k: after[k] - spec_before[k] for k in ("drafts", "proposed", "accepted")}
         shapes.append({**shape, "rows": rows, "spec": spec,
-                       "duo": _stats_delta(duo_before, draft_stats(llm)) if is_duo else None,
-                       "steps": recent_steps(llm) if is_duo else None})
+                       "duo": _stats_delta(duo_before, draft_stats(llm)) if is_duo else None})
     bar.close()
     Path(out_path).write_text(json.dumps({"shapes": shapes}))
-
-
-def recent_steps(llm, clear: bool = False) -> list | None:
-    """DuoProposer's record of its last steps (``DuoProposer.recent_steps``), for profiles."""
-    try:
-        return llm.llm_engine.collective_rpc(
-            lambda self: self.model_runner.drafter.recent_steps.clear() if clear else
-            [list(x) for x in self.model_runner.drafter.recent_steps])[0]
-    except Exception:
-        return None
 
 
 def staggered(llm, prompts, shape, params, rep: int) -> dict:
