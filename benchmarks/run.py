@@ -80,14 +80,16 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         return after
     d = {k: after.get(k, 0) - before.get(k, 0) for k in
          ("requests", "predraft_hits", "predraft_lookups", "steps", "returned_tokens",
-          "floor_steps", "no_slot", "probes", "gate_plain_steps", "lookup_rows",
+          "floor_steps", "no_slot", "probes", "gate_plain_steps", "gate_no_lookup_steps",
+          "lookup_rows",
          "lookup_tokens_served", "lookup_tokens_accepted", "model_tokens_served",
-         "model_tokens_accepted")}
+         "model_tokens_accepted", "busy_s", "prefill_tokens", "predraft_tokens", "sync_tokens")}
     lengths = {int(n): c - before.get("chosen_lengths", {}).get(n, 0)
                for n, c in after.get("chosen_lengths", {}).items()}
     return {
         "floor_fraction": d["floor_steps"] / d["steps"] if d["steps"] else 0.0,
         "gate_plain_steps": d["gate_plain_steps"],
+        "gate_no_lookup_steps": d["gate_no_lookup_steps"],
         "gate_tokens_per_s": after.get("gate_tokens_per_s"),
         "no_slot": d["no_slot"], "probes": d["probes"],
         "sources": {src: {"served": d[f"{src}_tokens_served"],
@@ -106,6 +108,9 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
                             if d["predraft_lookups"] else 0.0),
         "draft_tokens_per_step": d["returned_tokens"] / d["steps"] if d["steps"] else 0.0,
         "busy_fraction": after.get("busy_fraction"),
+        # the draft core's work in this shape: seconds busy, tokens evaluated
+        "draft_busy_s": d["busy_s"],
+        "draft_tokens_evaluated": {k: d[f"{k}_tokens"] for k in ("prefill", "predraft", "sync")},
         "draft_token_ms": after.get("draft_token_ms"),
         "target_step_ms": after.get("target_step_ms"),
         "branch_count_distribution": after.get("branch_count_distribution"),
@@ -155,16 +160,19 @@ def worker(req_path: str, out_path: str) -> None:
                     bar.update()
             else:
                 idx = [i % len(prompts) for i in range(batch)]
+                batch_prompts = [prompts[i] for i in idx]
+                batch_params = [params(temp, 1000 * rep + i) for i in range(batch)]
                 t0 = time.perf_counter()
-                outs = llm.generate([prompts[i] for i in idx],
-                                    [params(temp, 1000 * rep + i) for i in range(batch)],
-                                    use_tqdm=False)
+                if req.get("timeline"):
+                    outs, steps = stepped(llm, batch_prompts, batch_params, f"b{rep}")
+                else:
+                    outs, steps = llm.generate(batch_prompts, batch_params, use_tqdm=False), None
                 dt = time.perf_counter() - t0
                 rows.append({"repeat": rep, "tokens": sum(len(o.outputs[0].token_ids)
                                                           for o in outs), "seconds": dt,
                              "token_ids": [list(o.outputs[0].token_ids) for o in outs],
                              "prompt_ids": [list(o.prompt_token_ids) for o in outs]
-                             if rep == 0 else None})
+                             if rep == 0 else None, "steps": steps})
                 bar.update()
         after = spec_decode_metrics(llm)
         spec = {k: after[k] - spec_before[k] for k in ("drafts", "proposed", "accepted")}
@@ -172,6 +180,29 @@ def worker(req_path: str, out_path: str) -> None:
                        "duo": _stats_delta(duo_before, draft_stats(llm)) if is_duo else None})
     bar.close()
     Path(out_path).write_text(json.dumps({"shapes": shapes}))
+
+
+def stepped(llm, prompts, params, tag: str):
+    """``llm.generate`` as its own loop of engine steps, timed: the outputs, and each
+    step's [seconds, unfinished requests before it, tokens it produced] (``--timeline``)."""
+    engine = llm.llm_engine
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"{tag}-{i}", prompt, p)
+    counts, final, steps = {}, {}, []
+    t = time.perf_counter()
+    while engine.has_unfinished_requests():
+        live = engine.get_num_unfinished_requests()
+        new = 0
+        for out in engine.step():
+            n = len(out.outputs[0].token_ids)
+            new += n - counts.get(out.request_id, 0)
+            counts[out.request_id] = n
+            if out.finished:
+                final[out.request_id] = out
+        now = time.perf_counter()
+        steps.append([now - t, live, new])
+        t = now
+    return [final[f"{tag}-{i}"] for i in range(len(prompts))], steps
 
 
 def staggered(llm, prompts, shape, params, rep: int) -> dict:
@@ -256,7 +287,7 @@ def run_method(name: str, target: str, prompts, tasks, args, workdir: Path,
     req = {"name": name, "target": target, "prompts": prompts, "tasks": tasks,
            "spec": method_spec(name, target, draft, args.k, args.lookup_k), "max_tokens": args.max_tokens,
            "dtype": args.dtype, "repeats": args.repeats, "shapes": shapes_of(args),
-           "eager": args.eager}
+           "eager": args.eager, "timeline": args.timeline}
     req_path, out_path = workdir / f"{name}.req.json", workdir / f"{name}.out.json"
     req_path.write_text(json.dumps(req))
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=METHODS[name]["bind"],
@@ -322,7 +353,7 @@ def summarise(results: dict) -> dict:
                     "floor_fraction", "chosen_lengths", "no_slot", "probes",
                     "draft_call_ms_by_width", "verify_token_ms", "target_step_ms_by_batch",
                     "acceptance", "propose_wait_ms", "lock_wait_ms", "gate_plain_steps",
-                    "gate_tokens_per_s", "sources", "lookup_rows", "source_alpha")}
+                    "gate_no_lookup_steps", "gate_tokens_per_s", "draft_busy_s", "sources", "lookup_rows", "source_alpha")}
             if s["temperature"] == 0.0 and key in ref_shapes:
                 mine = [x["token_ids"] for x in rows if x["repeat"] == 0]
                 theirs = [x["token_ids"] for x in ref_shapes[key]["rows"] if x["repeat"] == 0]
@@ -394,7 +425,10 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                               (c.get("target_step_ms_by_batch") or {}).items())
             lines.append(f"- {name} controller: draft lengths served {c['chosen_lengths']}, "
                          f"steps the plan left plain {_f(c['floor_fraction'], '{:.0%}')}, "
-                         f"steps the gate left plain {c.get('gate_plain_steps')} (measured "
+                         f"steps the gate left without the draft model "
+                         f"{c.get('gate_plain_steps')} and without lookups too "
+                         f"{c.get('gate_no_lookup_steps')}, draft core busy "
+                         f"{_f(c.get('draft_busy_s'), '{:.1f}')} s (measured "
                          f"tokens/s by batch bucket {_rates(c.get('gate_tokens_per_s'))}), "
                          f"rows without a slot {c['no_slot']}, probes {c['probes']}; "
                          f"measured: draft call ms by width {{{widths}}}, target step ms "
@@ -522,6 +556,9 @@ def main(argv=None) -> int:
                     help="smoke test: 1 prompt per task, 32 tokens, batch 1 and 4, 1 repeat, "
                     "eager engines (no torch.compile: faster start-up, slower steps)")
     ap.add_argument("--eager", action="store_true", help="vLLM's enforce_eager")
+    ap.add_argument("--timeline", action="store_true",
+                    help="batch shapes as a timed loop of engine steps (each step's seconds, "
+                         "requests and tokens in engines/<method>.out.json)")
     ap.add_argument("--per-task", type=int, default=2)
     ap.add_argument("--jsonl", nargs="*", help="prompt files (a `turns` or `prompt` field) "
                     "instead of Spec-Bench")

@@ -76,4 +76,5 @@ class DraftStats:
             "lookup_predrafts": self.lookup_predrafts,
             "errors": self.errors,
             "busy_fraction": self.busy_s / wall if wall > 0 else 0.0,
+            "busy_s": self.busy_s,
         }

@@ -19,7 +19,7 @@ COMBOS = {
     "serial": ({"parallel": False, "multi_sequence": False, "budget": 4, **WAIT}, False),
     "parallel-single-auto": ({"parallel": True, "multi_sequence": False, "budget": "auto"}, True),
     # lookup drafts may run to 8 tokens, the draft model's to 4 (max_draft_len); no gate:
-    # both sources every step (the gate may rightly prefer lookups alone, tests/test_goodput)
+    # both sources every step (the gate may rightly prefer lookups alone, tests/test_gate.py)
     "parallel-multi-auto": ({"parallel": True, "multi_sequence": True, "budget": "auto",
                              "max_draft_len": 4, "gate": False}, True),
     "parallel-multi-auto-batched": ({}, False),  # the defaults, ten requests at once

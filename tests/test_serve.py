@@ -41,7 +41,7 @@ def servers(target_dir, session_tmp):
     plain = Server(target_dir, session_tmp / "serve_plain.log")
     duo = Server(target_dir, session_tmp / "serve_duo.log",
                  # the fault tests need steps that call the actor: no gate (it could
-                 # leave a batch size to plain decoding just then; tests/test_goodput.py)
+                 # leave a batch size to plain decoding just then; tests/test_gate.py)
                  launcher=[*duo_serve(), "--num-speculative-tokens", "4",
                            "--duo", json.dumps({"n_ctx": DRAFT_N_CTX, "gate": False})])
     try:

@@ -1,0 +1,208 @@
+"""Measured, not modelled: is drafting faster than plain decoding at this batch size?
+
+The controller of :mod:`duo_vllm.goodput` plans each step on a model (T, D,
+α). The gates here check its outcome against the floor, in realised tokens
+per second:
+
+* :class:`DraftGate`: the draft model on or off, per batch-size bucket, in
+  trials of some tens of steps (turning the model on costs a catch-up).
+* :class:`LookupAB`: with the model off, lookup drafts or no drafts at all,
+  interleaved step by step (either costs nothing to switch to), so even a
+  batch size that lasts twenty steps is judged within them.
+"""
+
+from __future__ import annotations
+
+
+class DraftGate:
+    """Is drafting faster than plain decoding at this batch size? Measured, not modelled.
+
+    The controller's plan rests on a model (T, D, α); this gate checks its
+    outcome. Per batch-size bucket (1, 2-3, 4-7, ...; steps where some
+    request samples apart from all-greedy ones) it keeps the realised
+    goodput with drafting on and off, tokens produced over the seconds they
+    took across the mode's recent steps (sums that decay by ``1 - weight``
+    a step: a ratio of sums, not an average of per-step ratios, so a short
+    run of slow steps weighs what it cost), and drafts only while on is the
+    faster of the two. Each mode runs
+    ``trial_steps`` before it is judged (the first ``warmup_steps`` after
+    turning drafting on are not counted: the draft catches up), and the
+    slower mode is tried again every ``retry_every`` steps of the bucket, so
+    the gate follows the traffic and the hardware. A new bucket starts in the
+    mode that won at the nearest smaller judged one; where that was plain
+    decoding, or drafting but more than ``reach`` buckets below, it starts
+    plain and waits as long for its first trial of drafting (a server does not
+    pay a trial at each new batch size where drafting is unlikely to pay).
+    Modes change only at the end of a trial: a dip between trials (the steps while the draft prefills
+    a new long prompt, say) does not turn drafting off until the next trial.
+    """
+
+    def __init__(self, trial_steps: int = 32, warmup_steps: int = 8, retry_every: int = 256,
+                 margin: float = 0.02, weight: float = 0.05, reach: int | None = 2):
+        self.reach = reach  # buckets up that a win carries to a new bucket (None: any)
+        self.trial_steps, self.warmup_steps = trial_steps, warmup_steps
+        self.retry_every, self.margin, self.weight = retry_every, margin, weight
+        self._sums: dict = {}  # (bucket, on) -> [tokens, seconds], decayed
+        self._rate: dict = {}  # (bucket, on) -> tokens/s: the ratio of those sums
+        self._seen_at: dict = {}  # (bucket, on) -> the bucket's step of the last sample
+        self._mode: dict = {}  # bucket -> drafting on?
+        self._run: dict = {}  # bucket -> steps in the current mode
+        self._clock: dict = {}  # bucket -> steps seen
+        self._lost: dict = {}  # (bucket, mode) -> its retries in a row that lost
+        self._trying: dict = {}  # bucket -> the mode under a retry's trial
+        self.plain_steps = 0  # steps the gate left to plain decoding
+
+    @staticmethod
+    def bucket(batch: int, sampled: bool = False) -> tuple[int, bool]:
+        """Batch sizes 1, 2-3, 4-7, ...; all-greedy steps apart from those with sampling."""
+        return max(1, batch).bit_length() - 1, bool(sampled)
+
+    def drafting(self, batch: int, sampled: bool = False) -> bool:
+        """The mode for a step of ``batch`` requests (and the bookkeeping of the trials).
+
+        ``sampled``: some request of the step samples (temperature > 0).
+        """
+        b = self.bucket(batch, sampled)
+        self._clock[b] = self._clock.get(b, 0) + 1
+        if b not in self._mode:
+            self._mode[b] = self.first_mode(b)
+        on = self._mode[b]
+        run = self._run[b] = self._run.get(b, 0) + 1
+        if run > self.trial_steps + (self.warmup_steps if on else 0):
+            other = (b, not on)
+            if other in self._rate:
+                due = self._clock[b] - self._seen_at[other] > self._retry(b)
+            else:  # never measured here: now, unless drafting is unlikely to pay here
+                due = not (other[1] and not self.first_mode(b)) or self._clock[b] > self._retry(b)
+            if due:
+                on = not on  # try the other mode (again), measured afresh
+                self._trying[b] = on
+                self._sums.pop(other, None)
+            elif b in self._trying:  # the end of a trial: judge; between trials, keep the mode
+                on = self.faster_on(b)
+                if self._trying.pop(b) == self._mode[b]:
+                    # the end of a retried mode's trial: did it lose (again)?
+                    lost = (b, self._mode[b])
+                    self._lost[lost] = self._lost.get(lost, 0) + 1 if on != self._mode[b] else 0
+            if on != self._mode[b]:
+                self._mode[b], self._run[b] = on, 0
+        if not on:
+            self.plain_steps += 1
+        return on
+
+    def mode(self, batch: int, sampled: bool = False) -> bool:
+        """The mode a step of ``batch`` requests would get now (no bookkeeping; a trial
+        that falls due at that step aside)."""
+        b = self.bucket(batch, sampled)
+        return self._mode[b] if b in self._mode else self.first_mode(b)
+
+    def first_mode(self, b) -> bool:
+        """A new bucket's first mode: the verdict of the nearest smaller batch size judged
+        in both modes, in the same regime or, for sampled steps, a greedy one (drafting
+        pays less as the batch grows, and under sampling); drafting where none is."""
+        size, sampled = b
+        judged = [(s, r == sampled) for (s, r), _ in self._rate
+                  if s <= size and (r == sampled or sampled) and
+                  ((s, r), True) in self._rate and ((s, r), False) in self._rate]
+        if not judged:
+            return True
+        s, same = max(judged)  # the nearest size; the same regime first
+        near = (s, sampled if same else False)
+        if self.reach is not None and size - s > self.reach:
+            return False  # a win at batch 1 says little of batch 16: plain decoding first
+        return self._rate[(near, True)] > self._rate[(near, False)]
+
+    def _retry(self, b) -> int:
+        """Steps before the slower mode is tried again: 4x as many when it was far slower
+        and lost its last two trials (one trial may have been a cold start)."""
+        r_on, r_off = self._rate.get((b, True)), self._rate.get((b, False))
+        retried = not self._mode.get(b, True)
+        if self._lost.get((b, retried), 0) >= 2 and r_on and r_off and \
+                max(r_on, r_off) > 1.2 * min(r_on, r_off):
+            return 4 * self.retry_every
+        return self.retry_every
+
+    def faster_on(self, b) -> bool:
+        r_on, r_off = self._rate.get((b, True)), self._rate.get((b, False))
+        if r_on is None or r_off is None:
+            return r_on is not None or r_off is None
+        return r_on > r_off * (1 + self.margin) if not self._mode[b] else \
+            r_on * (1 + self.margin) > r_off
+
+    def observe(self, batch: int, on: bool, tokens: int, seconds: float,
+                sampled: bool = False) -> None:
+        """A step of ``batch`` requests in mode ``on`` produced ``tokens`` in ``seconds``."""
+        if seconds <= 0:
+            return
+        b = self.bucket(batch, sampled)
+        if on and self._mode.get(b) and self._run.get(b, 0) <= self.warmup_steps:
+            return  # the draft is catching up: not yet what drafting gives
+        key = (b, on)
+        sums = self._sums.setdefault(key, [0.0, 0.0])
+        sums[0] = (1 - self.weight) * sums[0] + tokens
+        sums[1] = (1 - self.weight) * sums[1] + seconds
+        self._rate[key] = sums[0] / sums[1]
+        self._seen_at[key] = self._clock.get(b, 0)
+
+    def rates(self) -> dict[str, float]:
+        return {f"{1 << b}{'s' if sampled else ''}+{'on' if on else 'off'}": r
+                for ((b, sampled), on), r in sorted(self._rate.items())}
+
+
+class LookupAB:
+    """With the draft model off: do lookup drafts beat no drafts at this batch size?
+
+    Verifying a lookup draft is not free: on a CPU target at batch 16 a step
+    with lookups took 140 ms against 89 ms without, for 34% more tokens
+    (`benchmarks/README.md`). vLLM's speculative step with empty drafts costs
+    nothing, so no drafts at all is the floor. Per bucket (as
+    :meth:`DraftGate.bucket`) this keeps tokens over seconds of steps served
+    with lookups and of steps without (sums that decay by ``1 - weight`` a
+    sample), alternates the two until each has ``min_samples``, then serves the
+    faster and gives the other every ``explore_every``-th step, so the choice
+    follows the traffic. Ties go to lookups.
+    """
+
+    def __init__(self, min_samples: int = 4, explore_every: int = 8, weight: float = 0.1):
+        self.min_samples, self.explore_every, self.weight = min_samples, explore_every, weight
+        self._sums: dict = {}  # (bucket, served) -> [tokens, seconds, samples], decayed
+        self._step: dict = {}  # bucket -> steps asked
+        self.none_steps = 0  # steps served without lookups
+
+    def serve(self, batch: int, sampled: bool = False) -> bool:
+        """Serve this step's lookup drafts?"""
+        b = DraftGate.bucket(batch, sampled)
+        n = self._step[b] = self._step.get(b, 0) + 1
+        if min(self._samples(b, True), self._samples(b, False)) < self.min_samples:
+            served = n % 2 == 1  # both measured first, alternating, lookups first
+        else:
+            best = self.faster(b)
+            served = (not best) if n % self.explore_every == 0 else best
+        self.none_steps += not served
+        return served
+
+    def faster(self, b) -> bool:
+        """Are lookups at least as fast as no drafts in bucket ``b``?"""
+        return self._rate(b, True) >= self._rate(b, False)
+
+    def observe(self, batch: int, served: bool, tokens: int, seconds: float,
+                sampled: bool = False) -> None:
+        """A step of ``batch`` requests, with lookups ``served`` or not, produced ``tokens``
+        in ``seconds``."""
+        if seconds <= 0:
+            return
+        sums = self._sums.setdefault((DraftGate.bucket(batch, sampled), served), [0.0, 0.0, 0])
+        sums[0] = (1 - self.weight) * sums[0] + tokens
+        sums[1] = (1 - self.weight) * sums[1] + seconds
+        sums[2] += 1
+
+    def _samples(self, b, served: bool) -> int:
+        return self._sums.get((b, served), (0, 0, 0))[2]
+
+    def _rate(self, b, served: bool) -> float:
+        tokens, seconds, _ = self._sums.get((b, served), (0.0, 0.0, 0))
+        return tokens / seconds if seconds > 0 else 0.0
+
+    def rates(self) -> dict[str, float]:
+        return {f"{1 << b}{'s' if sampled else ''}+{'lookup' if served else 'none'}":
+                self._rate((b, sampled), served) for ((b, sampled), served) in sorted(self._sums)}

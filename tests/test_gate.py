@@ -1,0 +1,211 @@
+"""The gates: measured tokens per second decide, on hand-driven step sequences."""
+
+import random
+
+import pytest
+
+from duo_vllm.gate import DraftGate, LookupAB
+
+
+def run_gate(gate, batch, rate_on, rate_off, steps):
+    """Drive the gate as the proposer does; return the modes it chose."""
+    modes = []
+    for _ in range(steps):
+        on = gate.drafting(batch)
+        modes.append(on)
+        gate.observe(batch, on, tokens=batch, seconds=batch / (rate_on if on else rate_off))
+    return modes
+
+
+def test_gate_turns_drafting_off_where_plain_decoding_is_faster_and_retries_it():
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    modes = run_gate(gate, 16, rate_on=90.0, rate_off=100.0, steps=400)
+    assert modes[:12] == [True] * 12  # drafting is tried first (with its warm-up)
+    tail = modes[50:]
+    assert sum(tail) / len(tail) < 0.15  # mostly plain decoding ...
+    assert any(tail)  # ... with drafting tried again now and then
+    assert gate.plain_steps == modes.count(False)
+    # a mode far slower (here 1.5x) is retried 4x less often, once it lost twice
+    far = run_gate(DraftGate(trial_steps=10, warmup_steps=2, retry_every=100), 16,
+                   rate_on=60.0, rate_off=100.0, steps=800)
+    near = run_gate(DraftGate(trial_steps=10, warmup_steps=2, retry_every=100), 16,
+                    rate_on=90.0, rate_off=100.0, steps=800)
+    assert sum(far[:300]) == sum(near[:300])  # the first two retries come as often
+    assert sum(far[350:]) < sum(near[350:])
+
+
+def test_a_cold_first_trial_does_not_keep_drafting_off_for_long():
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    # the first trial of drafting is cold (the draft prefills the first prompt): far slower
+    modes = run_gate(gate, 1, rate_on=10.0, rate_off=25.0, steps=20)
+    modes += run_gate(gate, 1, rate_on=40.0, rate_off=25.0, steps=300)  # then it pays
+    assert sum(modes[-100:]) > 85
+
+
+def test_gate_keeps_drafting_where_it_pays_and_batch_sizes_are_judged_apart():
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    modes = run_gate(gate, 1, rate_on=40.0, rate_off=20.0, steps=400)
+    assert sum(modes[50:]) / len(modes[50:]) > 0.85
+    modes16 = run_gate(gate, 16, rate_on=80.0, rate_off=100.0, steps=200)
+    assert sum(modes16[50:]) / len(modes16[50:]) < 0.2
+    assert gate.drafting(1)  # batch 1 still drafts
+    assert DraftGate.bucket(1) != DraftGate.bucket(2) == DraftGate.bucket(3) != DraftGate.bucket(4)
+    assert DraftGate.bucket(1) != DraftGate.bucket(1, sampled=True)
+
+
+def test_gate_judges_sampled_steps_apart_from_greedy_ones():
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    modes = []
+    for _ in range(300):  # greedy requests gain from drafts, sampled ones lose
+        for sampled, rate_on in ((False, 40.0), (True, 15.0)):
+            on = gate.drafting(1, sampled)
+            modes.append((sampled, on))
+            gate.observe(1, on, 1, 1 / (rate_on if on else 20.0), sampled)
+    greedy = [on for s, on in modes[200:] if not s]
+    sampled = [on for s, on in modes[200:] if s]
+    assert sum(greedy) / len(greedy) > 0.85 and sum(sampled) / len(sampled) < 0.15
+
+
+def test_gate_follows_a_change():
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=50)
+    run_gate(gate, 4, rate_on=50.0, rate_off=100.0, steps=200)
+    modes = run_gate(gate, 4, rate_on=200.0, rate_off=100.0, steps=300)  # drafting got better
+    assert sum(modes[-100:]) / 100 > 0.7  # on, but for the trials of plain decoding
+
+
+def test_the_longer_wait_counts_the_losses_of_the_mode_retried_only():
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    run_gate(gate, 1, rate_on=40.0, rate_off=25.0, steps=150)  # plain decoding loses twice
+    modes = run_gate(gate, 1, rate_on=10.0, rate_off=25.0, steps=1000)  # now drafting is slow
+    # plain decoding lost twice and far: its next trial comes 4x later (a mode changes only
+    # at the end of a trial); it wins, and drafting is retried from then on
+    switch = modes.index(False)
+    assert 300 < switch <= 400
+    retries = [i - switch for i in range(switch, 1000) if modes[i] and not modes[i - 1]]
+    # drafting's own first two losses are retried at the usual interval, then 4x later
+    assert retries[:2] == [pytest.approx(100, abs=3), pytest.approx(213, abs=3)]
+    assert len(retries) == 2
+
+
+def test_a_new_batch_size_starts_in_the_mode_that_won_at_the_nearest_smaller_one():
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    assert gate.drafting(2)  # nothing judged yet: drafting first
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    run_gate(gate, 1, rate_on=40.0, rate_off=20.0, steps=60)  # batch 1: drafting pays
+    run_gate(gate, 2, rate_on=20.0, rate_off=30.0, steps=60)  # batch 2-3: it does not
+    assert not gate.drafting(4)  # 4-7 starts plain, as its nearest smaller judged size
+    assert not gate.drafting(2, sampled=True)  # sampling pays no more than greedy
+    assert gate.drafting(1, sampled=True)  # greedy batch 1 drafts: sampled batch 1 tries it
+    # the mode it starts in is still judged, but drafting, which lost at a smaller size,
+    # is tried as a retry would be (after retry_every steps), not at once: a server pays
+    # no trial of drafting at each new batch size where it is unlikely to pay
+    modes = run_gate(gate, 16, rate_on=90.0, rate_off=30.0, steps=160)
+    assert modes[:100] == [False] * 100 and all(modes[-20:])
+    assert gate.drafting(1)  # and a smaller size keeps its own verdict
+
+
+def test_a_win_carries_to_a_batch_size_up_to_reach_buckets_above():
+    # drafting won at batch 1: batch 4-7 (two buckets up) tries it at once ...
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    run_gate(gate, 1, rate_on=40.0, rate_off=20.0, steps=60)
+    modes = run_gate(gate, 4, rate_on=30.0, rate_off=40.0, steps=60)
+    assert modes[:12] == [True] * 12 and not any(modes[-20:])
+    # ... batch 16 (four up: a static batch right after batch-1 traffic) starts plain and
+    # waits a retry interval for drafting's first trial; with reach=None the win carries
+    for reach, first in ((2, False), (None, True)):
+        gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100, reach=reach)
+        run_gate(gate, 1, rate_on=40.0, rate_off=20.0, steps=60)
+        modes = run_gate(gate, 16, rate_on=90.0, rate_off=100.0, steps=60)
+        assert modes[0] is first and (any(modes) if first else not any(modes))
+        if not first:  # the trial comes as a retry would, and is judged as one
+            modes = run_gate(gate, 16, rate_on=150.0, rate_off=100.0, steps=100)
+            assert not modes[0] and all(modes[-20:])
+
+
+def test_a_dip_between_trials_does_not_switch_the_mode():
+    """The steps while the draft prefills a new long prompt are slow with drafting on;
+    such a dip must not turn drafting off for a whole retry interval."""
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    run_gate(gate, 1, rate_on=60.0, rate_off=20.0, steps=60)  # judged: drafting pays
+    before = gate.plain_steps  # the first trial of plain decoding
+    modes = run_gate(gate, 1, rate_on=5.0, rate_off=20.0, steps=20)  # a cold stretch
+    modes += run_gate(gate, 1, rate_on=60.0, rate_off=20.0, steps=40)
+    assert all(modes)  # no trial of plain decoding was due: drafting throughout
+    assert before > 0 and gate.plain_steps == before
+
+
+def test_mode_peeks_without_counting_a_step():
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    run_gate(gate, 1, rate_on=20.0, rate_off=40.0, steps=60)  # batch 1: plain decoding wins
+    clock = dict(gate._clock)
+    assert gate.mode(1) is False and gate.mode(2) is False  # 2-3 would start as 1 ended
+    assert gate.mode(1, sampled=True) is False
+    assert gate._clock == clock  # no step counted, no trial moved
+
+
+def test_the_verdict_weighs_a_cold_stretch_by_what_it_cost():
+    """Each request starts with steps where the draft is still prefilling (slow, one
+    token) before drafting pays (four tokens). A trial of plain decoding that comes
+    right after such a stretch must still find drafting faster overall."""
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    off = 1 / 25.0  # plain decoding: 25 tokens/s
+    modes = []
+    for step in range(1200):
+        on = gate.drafting(1)
+        modes.append(on)
+        cold = step % 30 < 14  # the first 14 steps of each 30-step request
+        tokens, seconds = (1, 1 / 15.0) if cold else (4, 4 / 60.0)
+        gate.observe(1, on, tokens if on else 1, seconds if on else off)
+    # drafting averages 39 tokens/s, plain 25: the only plain steps are plain decoding's
+    # trials (a first cold trial of drafting aside), each 11 steps, 100 or more apart
+    plain = [i for i in range(200, 1200) if not modes[i] and modes[i - 1]]
+    assert plain and all(modes[i:i + 11] == [False] * 11 and modes[i + 11] for i in plain)
+    assert all(b - a >= 100 for a, b in zip(plain, plain[1:]))
+    assert modes[200:].count(False) <= 5 * 11
+
+
+def run_ab(ab, batch, rate_lookup, rate_none, steps, jitter=0.0, rng=None):
+    """Drive the lookup A/B as the proposer does; return whether each step served lookups."""
+    served = []
+    for _ in range(steps):
+        s = ab.serve(batch)
+        served.append(s)
+        rate = rate_lookup if s else rate_none
+        if jitter:
+            rate *= 1 + rng.uniform(-jitter, jitter)
+        ab.observe(batch, s, tokens=batch, seconds=batch / rate)
+    return served
+
+
+def test_lookup_ab_measures_both_first_then_serves_the_faster():
+    ab = LookupAB(min_samples=3, explore_every=8)
+    served = run_ab(ab, 16, rate_lookup=150.0, rate_none=180.0, steps=6)
+    assert served == [True, False] * 3  # alternating, lookups first
+    served = run_ab(ab, 16, rate_lookup=150.0, rate_none=180.0, steps=80)
+    assert sum(served) == 10  # no drafts, with lookups every 8th step to follow changes
+    assert ab.none_steps == 3 + 70
+    ab = LookupAB(min_samples=3, explore_every=8)
+    served = run_ab(ab, 4, rate_lookup=80.0, rate_none=60.0, steps=86)
+    assert sum(served[6:]) == 70  # lookups pay here: served but for every 8th step
+
+
+def test_lookup_ab_judges_batch_sizes_and_regimes_apart_and_follows_a_change():
+    ab = LookupAB(min_samples=3, explore_every=8)
+    run_ab(ab, 16, rate_lookup=150.0, rate_none=180.0, steps=40)
+    run_ab(ab, 1, rate_lookup=40.0, rate_none=20.0, steps=40)
+    assert not ab.faster(DraftGate.bucket(16)) and ab.faster(DraftGate.bucket(1))
+    assert ab.serve(2) and ab.serve(1, sampled=True)  # new buckets measure lookups first
+    assert set(ab.rates()) >= {"16+lookup", "16+none", "1+lookup", "1+none"}
+    # lookups start to pay at 16 (the prompts quote their context): the explored steps see it
+    served = run_ab(ab, 16, rate_lookup=250.0, rate_none=180.0, steps=80)
+    assert all(served[-20:-1]) or sum(served[-20:]) >= 17
+
+
+def test_lookup_ab_picks_the_faster_under_step_noise():
+    """A 15% difference under ±10% per-step jitter: the faster arm serves most steps."""
+    for seed in range(5):
+        rng = random.Random(seed)
+        ab = LookupAB()
+        served = run_ab(ab, 16, rate_lookup=150.0, rate_none=175.0, steps=200,
+                        jitter=0.1, rng=rng)
+        assert sum(served[50:]) / 150 < 0.25, seed
