@@ -80,8 +80,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         return after
     d = {k: after.get(k, 0) - before.get(k, 0) for k in
          ("requests", "predraft_hits", "predraft_lookups", "steps", "returned_tokens",
-          "floor_steps", "no_slot", "probes", "gate_plain_steps", "gate_no_lookup_steps",
-          "lookup_rows",
+          "floor_steps", "no_slot", "probes", "gate_plain_steps", "lookup_rows",
          "lookup_tokens_served", "lookup_tokens_accepted", "model_tokens_served",
          "model_tokens_accepted", "busy_s", "prefill_tokens", "predraft_tokens", "sync_tokens")}
     lengths = {int(n): c - before.get("chosen_lengths", {}).get(n, 0)
@@ -89,7 +88,6 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
     return {
         "floor_fraction": d["floor_steps"] / d["steps"] if d["steps"] else 0.0,
         "gate_plain_steps": d["gate_plain_steps"],
-        "gate_no_lookup_steps": d["gate_no_lookup_steps"],
         "gate_tokens_per_s": after.get("gate_tokens_per_s"),
         "no_slot": d["no_slot"], "probes": d["probes"],
         "sources": {src: {"served": d[f"{src}_tokens_served"],
@@ -353,7 +351,7 @@ def summarise(results: dict) -> dict:
                     "floor_fraction", "chosen_lengths", "no_slot", "probes",
                     "draft_call_ms_by_width", "verify_token_ms", "target_step_ms_by_batch",
                     "acceptance", "propose_wait_ms", "lock_wait_ms", "gate_plain_steps",
-                    "gate_no_lookup_steps", "gate_tokens_per_s", "draft_busy_s", "sources", "lookup_rows", "source_alpha")}
+                    "gate_tokens_per_s", "draft_busy_s", "sources", "lookup_rows", "source_alpha")}
             if s["temperature"] == 0.0 and key in ref_shapes:
                 mine = [x["token_ids"] for x in rows if x["repeat"] == 0]
                 theirs = [x["token_ids"] for x in ref_shapes[key]["rows"] if x["repeat"] == 0]
@@ -426,8 +424,7 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
             lines.append(f"- {name} controller: draft lengths served {c['chosen_lengths']}, "
                          f"steps the plan left plain {_f(c['floor_fraction'], '{:.0%}')}, "
                          f"steps the gate left without the draft model "
-                         f"{c.get('gate_plain_steps')} and without lookups too "
-                         f"{c.get('gate_no_lookup_steps')}, draft core busy "
+                         f"{c.get('gate_plain_steps')}, draft core busy "
                          f"{_f(c.get('draft_busy_s'), '{:.1f}')} s (measured "
                          f"tokens/s by batch bucket {_rates(c.get('gate_tokens_per_s'))}), "
                          f"rows without a slot {c['no_slot']}, probes {c['probes']}; "

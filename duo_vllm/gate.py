@@ -1,14 +1,8 @@
 """Measured, not modelled: is drafting faster than plain decoding at this batch size?
 
 The controller of :mod:`duo_vllm.goodput` plans each step on a model (T, D,
-α). The gates here check its outcome against the floor, in realised tokens
-per second:
-
-* :class:`DraftGate`: the draft model on or off, per batch-size bucket, in
-  trials of some tens of steps (turning the model on costs a catch-up).
-* :class:`LookupAB`: with the model off, lookup drafts or no drafts at all,
-  interleaved step by step (either costs nothing to switch to), so even a
-  batch size that lasts twenty steps is judged within them.
+α); :class:`DraftGate` checks its outcome in realised tokens per second,
+with the draft model on and off, per batch-size bucket.
 """
 
 from __future__ import annotations
@@ -148,61 +142,3 @@ class DraftGate:
         return {f"{1 << b}{'s' if sampled else ''}+{'on' if on else 'off'}": r
                 for ((b, sampled), on), r in sorted(self._rate.items())}
 
-
-class LookupAB:
-    """With the draft model off: do lookup drafts beat no drafts at this batch size?
-
-    Verifying a lookup draft is not free: on a CPU target at batch 16 a step
-    with lookups took 140 ms against 89 ms without, for 34% more tokens
-    (`benchmarks/README.md`). vLLM's speculative step with empty drafts costs
-    nothing, so no drafts at all is the floor. Per bucket (as
-    :meth:`DraftGate.bucket`) this keeps tokens over seconds of steps served
-    with lookups and of steps without (sums that decay by ``1 - weight`` a
-    sample), alternates the two until each has ``min_samples``, then serves the
-    faster and gives the other every ``explore_every``-th step, so the choice
-    follows the traffic. Ties go to lookups.
-    """
-
-    def __init__(self, min_samples: int = 4, explore_every: int = 8, weight: float = 0.1):
-        self.min_samples, self.explore_every, self.weight = min_samples, explore_every, weight
-        self._sums: dict = {}  # (bucket, served) -> [tokens, seconds, samples], decayed
-        self._step: dict = {}  # bucket -> steps asked
-        self.none_steps = 0  # steps served without lookups
-
-    def serve(self, batch: int, sampled: bool = False) -> bool:
-        """Serve this step's lookup drafts?"""
-        b = DraftGate.bucket(batch, sampled)
-        n = self._step[b] = self._step.get(b, 0) + 1
-        if min(self._samples(b, True), self._samples(b, False)) < self.min_samples:
-            served = n % 2 == 1  # both measured first, alternating, lookups first
-        else:
-            best = self.faster(b)
-            served = (not best) if n % self.explore_every == 0 else best
-        self.none_steps += not served
-        return served
-
-    def faster(self, b) -> bool:
-        """Are lookups at least as fast as no drafts in bucket ``b``?"""
-        return self._rate(b, True) >= self._rate(b, False)
-
-    def observe(self, batch: int, served: bool, tokens: int, seconds: float,
-                sampled: bool = False) -> None:
-        """A step of ``batch`` requests, with lookups ``served`` or not, produced ``tokens``
-        in ``seconds``."""
-        if seconds <= 0:
-            return
-        sums = self._sums.setdefault((DraftGate.bucket(batch, sampled), served), [0.0, 0.0, 0])
-        sums[0] = (1 - self.weight) * sums[0] + tokens
-        sums[1] = (1 - self.weight) * sums[1] + seconds
-        sums[2] += 1
-
-    def _samples(self, b, served: bool) -> int:
-        return self._sums.get((b, served), (0, 0, 0))[2]
-
-    def _rate(self, b, served: bool) -> float:
-        tokens, seconds, _ = self._sums.get((b, served), (0.0, 0.0, 0))
-        return tokens / seconds if seconds > 0 else 0.0
-
-    def rates(self) -> dict[str, float]:
-        return {f"{1 << b}{'s' if sampled else ''}+{'lookup' if served else 'none'}":
-                self._rate((b, sampled), served) for ((b, sampled), served) in sorted(self._sums)}

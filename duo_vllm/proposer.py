@@ -22,7 +22,7 @@ from .actor import DraftWorker, get_or_create_actor
 from .client import ActorClient
 from .config import DuoConfig, DuoConfigError, allowed_cpus, resolve_draft_cores
 from .delta import DeltaSender
-from .gate import DraftGate, LookupAB
+from .gate import DraftGate
 from .goodput import StepTimeModel
 from .lookup import LOOKUP, MODEL, ContextLookup, Hint, choose
 from .models import ModelNotFoundError, default_draft_gguf
@@ -183,8 +183,6 @@ class DuoProposer:
         self._prefetch = False
         self._passive = False  # a rank whose drafts vLLM does not use
         self.gate = DraftGate()  # drafting on only while it is measured to be faster
-        self.lookup_ab = LookupAB()  # with the model off: lookups only while they pay
-        self._lookups_served: bool | None = None  # the step under way's A/B arm, if any
         # a fixed budget drafts every step
         self._gated = self.config.budget == "auto" and self.config.gate
         self._on = True  # the gate's choice for the step under way
@@ -266,12 +264,8 @@ class DuoProposer:
             was_on, self._on = self._on, self.gate.drafting(len(rows), self._sampled)
             if was_on and not self._on:
                 self._pause_draft()
-        self._lookups_served = None
         if not self._on:  # the draft model does not pay at this batch size: no draft work
-            if lookups is not None and any(lookups) and self._gated and self._runner is not None:
-                self._lookups_served = self.lookup_ab.serve(len(rows), self._sampled)
-            return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, None,
-                               serve_lookups=self._lookups_served is not False)
+            return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, None)
         cost = self.step_time.cost(len(rows))
         step_s, per_token_s = (None, None) if cost is None else (cost.t0, cost.per_token)
         hints = self._hints(keys, temps_or_0, lookups)
@@ -313,10 +307,8 @@ class DuoProposer:
         return [Hint(list(d), self.lookup.alpha(MODEL, key, t), self.lookup.alpha(LOOKUP, key, t),
                      threshold) for key, t, d in zip(keys, temps, lookups)]
 
-    def _serve(self, drafts, rows, keys, contexts, temps, lookups, model, hints=None,
-               serve_lookups: bool = True):
-        """The step's drafts: model drafts and lookup drafts combined per row (lookups
-        scored but not served where ``serve_lookups`` is False: no drafts at all)."""
+    def _serve(self, drafts, rows, keys, contexts, temps, lookups, model, hints=None):
+        """The step's drafts: model drafts and lookup drafts combined per row."""
         if lookups is None and model is not None:
             for i, d in zip(rows, model):
                 drafts[i] = d
@@ -325,8 +317,7 @@ class DuoProposer:
             for j, i in enumerate(rows):
                 m = model[j] if model is not None else []
                 h = hints[j]
-                served, source = choose(m, h.tokens, h.alpha_model, h.alpha_lookup,
-                                        h.threshold) if serve_lookups else ([], None)
+                served, source = choose(m, h.tokens, h.alpha_model, h.alpha_lookup, h.threshold)
                 drafts[i] = served
                 self.lookup.remember(keys[j], len(contexts[j]), temps[j],
                                      {LOOKUP: lookups[j], MODEL: m}, source, served)
@@ -436,9 +427,6 @@ class DuoProposer:
         self.step_time.observe(batch, extra, sample)
         if produced is not None and started is not None:
             self.gate.observe(batch, self._on, produced, now - started, self._sampled)
-            if self._lookups_served is not None:
-                self.lookup_ab.observe(batch, self._lookups_served, produced, now - started,
-                                       self._sampled)
 
     def _produced(self, rows, num_tokens_no_spec) -> int | None:
         """Tokens the requests of the last step gained in it (from vLLM's input batch)."""
@@ -460,8 +448,7 @@ class DuoProposer:
             "propose_wait_ms": 1e3 * self._wait_s / self._calls if self._calls else 0.0,
             "propose_errors": self._errors,
             "gate_plain_steps": self.gate.plain_steps,
-            "gate_tokens_per_s": {**self.gate.rates(), **self.lookup_ab.rates()},
-            "gate_no_lookup_steps": self.lookup_ab.none_steps,
+            "gate_tokens_per_s": self.gate.rates(),
             "target_step_ms_by_batch": {
                 b: 1e3 * self.step_time.cost(b).t0 for b in self.step_time.batch_sizes()},
             **(self.lookup.summary() if self.lookup is not None else {}),

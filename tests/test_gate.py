@@ -1,10 +1,8 @@
 """The gates: measured tokens per second decide, on hand-driven step sequences."""
 
-import random
-
 import pytest
 
-from duo_vllm.gate import DraftGate, LookupAB
+from duo_vllm.gate import DraftGate
 
 
 def run_gate(gate, batch, rate_on, rate_off, steps):
@@ -163,49 +161,3 @@ def test_the_verdict_weighs_a_cold_stretch_by_what_it_cost():
     assert all(b - a >= 100 for a, b in zip(plain, plain[1:]))
     assert modes[200:].count(False) <= 5 * 11
 
-
-def run_ab(ab, batch, rate_lookup, rate_none, steps, jitter=0.0, rng=None):
-    """Drive the lookup A/B as the proposer does; return whether each step served lookups."""
-    served = []
-    for _ in range(steps):
-        s = ab.serve(batch)
-        served.append(s)
-        rate = rate_lookup if s else rate_none
-        if jitter:
-            rate *= 1 + rng.uniform(-jitter, jitter)
-        ab.observe(batch, s, tokens=batch, seconds=batch / rate)
-    return served
-
-
-def test_lookup_ab_measures_both_first_then_serves_the_faster():
-    ab = LookupAB(min_samples=3, explore_every=8)
-    served = run_ab(ab, 16, rate_lookup=150.0, rate_none=180.0, steps=6)
-    assert served == [True, False] * 3  # alternating, lookups first
-    served = run_ab(ab, 16, rate_lookup=150.0, rate_none=180.0, steps=80)
-    assert sum(served) == 10  # no drafts, with lookups every 8th step to follow changes
-    assert ab.none_steps == 3 + 70
-    ab = LookupAB(min_samples=3, explore_every=8)
-    served = run_ab(ab, 4, rate_lookup=80.0, rate_none=60.0, steps=86)
-    assert sum(served[6:]) == 70  # lookups pay here: served but for every 8th step
-
-
-def test_lookup_ab_judges_batch_sizes_and_regimes_apart_and_follows_a_change():
-    ab = LookupAB(min_samples=3, explore_every=8)
-    run_ab(ab, 16, rate_lookup=150.0, rate_none=180.0, steps=40)
-    run_ab(ab, 1, rate_lookup=40.0, rate_none=20.0, steps=40)
-    assert not ab.faster(DraftGate.bucket(16)) and ab.faster(DraftGate.bucket(1))
-    assert ab.serve(2) and ab.serve(1, sampled=True)  # new buckets measure lookups first
-    assert set(ab.rates()) >= {"16+lookup", "16+none", "1+lookup", "1+none"}
-    # lookups start to pay at 16 (the prompts quote their context): the explored steps see it
-    served = run_ab(ab, 16, rate_lookup=250.0, rate_none=180.0, steps=80)
-    assert all(served[-20:-1]) or sum(served[-20:]) >= 17
-
-
-def test_lookup_ab_picks_the_faster_under_step_noise():
-    """A 15% difference under ±10% per-step jitter: the faster arm serves most steps."""
-    for seed in range(5):
-        rng = random.Random(seed)
-        ab = LookupAB()
-        served = run_ab(ab, 16, rate_lookup=150.0, rate_none=175.0, steps=200,
-                        jitter=0.1, rng=rng)
-        assert sum(served[50:]) / 150 < 0.25, seed

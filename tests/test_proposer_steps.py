@@ -267,37 +267,3 @@ def test_the_gate_turning_drafting_off_pauses_the_draft_side_and_prompts_follow_
     p.on_new_requests([SimpleNamespace(prompt_token_ids=[5, 6],
                                        sampling_params=SimpleNamespace(temperature=0.7))])
     assert asked[-1] == (2, True)  # a sampled newcomer makes the batch a sampled one
-
-
-def test_with_the_model_off_lookups_are_served_only_where_they_beat_no_drafts(clock):
-    """The lookup A/B decides per step; a step without lookups still scores them, and
-    each step's tokens and seconds go to the arm it was served with."""
-    from duo_vllm.lookup import LOOKUP, ContextLookup
-
-    w = FakeWorker()
-    p = bare(w, k=2)
-    p.lookup = ContextLookup(min_n=2, max_n=4)
-    batch = SimpleNamespace(temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])
-    p.attach_runner(SimpleNamespace(input_batch=batch))
-    p.gate.drafting = lambda b, sampled: False  # the draft model is off
-    for e in range(0, 5):
-        p.step_time.observe(1, e, 0.050 + 0.0001 * e)
-    seen = []
-    observe = p.lookup_ab.observe
-    p.lookup_ab.observe = lambda b, served, tokens, seconds, sampled: (
-        seen.append((served, tokens)), observe(b, served, tokens, seconds, sampled))
-    ctx = [5, 6, 7, 8, 5, 6]
-    served = []
-    for step in range(12):
-        sampled, n, ids = inputs([ctx])
-        served.append(p.propose(sampled, n, ids)[0])
-        ctx = ctx + [7]  # one token a step: lookups (7, 8) earn no more than none
-        clock.now += 0.050 + (0.030 if served[-1] else 0.0)  # verifying them is slow
-    assert w.calls == []  # no draft-model work
-    assert served[:2] == [[7, 8], []]  # both arms measured, lookups first
-    assert served[-3:] == [[], [], []]  # then no drafts: they are faster here
-    assert [s for s, _ in seen[:3]] == [True, False, True] and all(t == 1 for _, t in seen)
-    # lookups went on being scored while not served: more tokens judged than served
-    _, judged = p.lookup.acceptance[LOOKUP]._regime["greedy"]
-    assert judged > sum(len(d) for d in served[:-1])
-    assert p.stats()["gate_no_lookup_steps"] >= 6
