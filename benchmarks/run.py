@@ -81,6 +81,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
     d = {k: after.get(k, 0) - before.get(k, 0) for k in
          ("requests", "predraft_hits", "predraft_lookups", "steps", "returned_tokens",
           "floor_steps", "no_slot", "probes", "gate_plain_steps", "lookup_rows",
+          "propose_steps", "propose_total_s",
          "lookup_tokens_served", "lookup_tokens_accepted", "model_tokens_served",
          "model_tokens_accepted", "busy_s", "prefill_tokens", "predraft_tokens", "sync_tokens")}
     lengths = {int(n): c - before.get("chosen_lengths", {}).get(n, 0)
@@ -108,6 +109,9 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         "busy_fraction": after.get("busy_fraction"),
         # the draft core's work in this shape: seconds busy, tokens evaluated
         "draft_busy_s": d["busy_s"],
+        # vLLM's loop inside propose() (all of it, the wait for drafts included), per step
+        "propose_ms_per_step": (1e3 * d["propose_total_s"] / d["propose_steps"]
+                                if d["propose_steps"] else None),
         "draft_tokens_evaluated": {k: d[f"{k}_tokens"] for k in ("prefill", "predraft", "sync")},
         "draft_token_ms": after.get("draft_token_ms"),
         "target_step_ms": after.get("target_step_ms"),
@@ -351,7 +355,7 @@ def summarise(results: dict) -> dict:
                     "floor_fraction", "chosen_lengths", "no_slot", "probes",
                     "draft_call_ms_by_width", "verify_token_ms", "target_step_ms_by_batch",
                     "acceptance", "propose_wait_ms", "lock_wait_ms", "gate_plain_steps",
-                    "gate_tokens_per_s", "draft_busy_s", "sources", "lookup_rows", "source_alpha")}
+                    "gate_tokens_per_s", "draft_busy_s", "propose_ms_per_step", "sources", "lookup_rows", "source_alpha")}
             if s["temperature"] == 0.0 and key in ref_shapes:
                 mine = [x["token_ids"] for x in rows if x["repeat"] == 0]
                 theirs = [x["token_ids"] for x in ref_shapes[key]["rows"] if x["repeat"] == 0]
@@ -424,7 +428,8 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
             lines.append(f"- {name} controller: draft lengths served {c['chosen_lengths']}, "
                          f"steps the plan left plain {_f(c['floor_fraction'], '{:.0%}')}, "
                          f"steps the gate left without the draft model "
-                         f"{c.get('gate_plain_steps')}, draft core busy "
+                         f"{c.get('gate_plain_steps')}, propose() "
+                         f"{_f(c.get('propose_ms_per_step'), '{:.1f}')} ms/step, draft core busy "
                          f"{_f(c.get('draft_busy_s'), '{:.1f}')} s (measured "
                          f"tokens/s by batch bucket {_rates(c.get('gate_tokens_per_s'))}), "
                          f"rows without a slot {c['no_slot']}, probes {c['probes']}; "

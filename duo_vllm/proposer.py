@@ -179,6 +179,7 @@ class DuoProposer:
         self._runner = None  # vLLM's model runner (attach_runner), for sampling settings
         self._errors = 0  # propose() calls that raised: the step went without drafts
         self._calls, self._wait_s = 0, 0.0  # time vLLM's loop spent waiting for drafts
+        self._steps, self._step_s = 0, 0.0  # every propose() call, and the time it took
         self._stats_ref, self._stats_logged_at = None, time.monotonic()
         self._prefetch = False
         self._passive = False  # a rank whose drafts vLLM does not use
@@ -223,6 +224,7 @@ class DuoProposer:
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                 slot_mappings=None) -> list[list[int]]:
         """Drafts for one vLLM step; never raises (a failure is a step without drafts)."""
+        t0 = time.perf_counter()
         try:
             return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         except Exception:
@@ -231,6 +233,9 @@ class DuoProposer:
             logger.exception("DuoProposer: propose() failed; this step decodes without "
                              "drafts (output is unaffected)")
             return [[] for _ in sampled_token_ids]
+        finally:  # all of it runs in vLLM's loop, between the target's steps
+            self._steps += 1
+            self._step_s += time.perf_counter() - t0
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
@@ -447,6 +452,8 @@ class DuoProposer:
             "propose_calls": self._calls,
             "propose_wait_ms": 1e3 * self._wait_s / self._calls if self._calls else 0.0,
             "propose_errors": self._errors,
+            "propose_steps": self._steps,
+            "propose_total_s": self._step_s,
             "gate_plain_steps": self.gate.plain_steps,
             "gate_tokens_per_s": self.gate.rates(),
             "target_step_ms_by_batch": {
