@@ -69,3 +69,63 @@ class EmptyProposer:
 
     def load_model(self, *args, **kwargs) -> None:
         """Nothing to load."""
+
+
+class RayEmptyProposer(EmptyProposer):
+    """:class:`EmptyProposer` in an engine that has started DuoProposer's private Ray
+    instance (``spec-ray``): what Ray alone costs vLLM's loop."""
+
+    def __init__(self, vllm_config):
+        from duo_vllm.config import DuoConfig
+        from duo_vllm.proposer import _ensure_ray
+
+        _ensure_ray(DuoConfig())
+
+
+class ActorEmptyProposer(EmptyProposer):
+    """:class:`EmptyProposer` beside DuoProposer's draft actor, loaded and never called
+    (``spec-actor``): what an idle draft actor on its own core costs vLLM's loop."""
+
+    def __init__(self, vllm_config):
+        from duo_vllm.actor import get_or_create_actor
+        from duo_vllm.config import DuoConfig
+        from duo_vllm.models import default_draft_gguf
+        from duo_vllm.proposer import _ensure_ray
+
+        cfg = DuoConfig(draft_cores=(1,))
+        ray = _ensure_ray(cfg)
+        self.actor = get_or_create_actor(cfg, default_draft_gguf(), [1], 4)
+        ray.get(self.actor.info.remote())
+
+
+class CycleProposer(EmptyProposer):
+    """Drafts of a set size in a fixed cycle of steps, to measure T(B, e), the target's
+    step time by batch size and verified draft tokens (``spec-cycle``; a probe).
+
+    Step i gives each of the first ``m`` rows ``n`` draft tokens (token 0: wrong, so all
+    but the first are rejected and the next step is again one token per row), for (m, n)
+    in ``CYCLE`` by turn. Every call appends ``[seconds since the last call, rows, e
+    of the last call]`` to ``$DUO_PROBE_FILE`` as a JSON line.
+    """
+
+    CYCLE = ((0, 0), (1, 1), (16, 1), (4, 4), (16, 2), (0, 0), (16, 4), (2, 2))
+
+    def __init__(self, vllm_config):
+        self.path = os.environ.get("DUO_PROBE_FILE")
+        self.i, self.last, self.e = 0, None, 0
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
+                slot_mappings=None) -> list[list[int]]:
+        import time
+
+        now = time.perf_counter()
+        rows = sum(1 for s in sampled_token_ids if len(s))
+        if self.path and self.last is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps([now - self.last, rows, self.e]) + "\n")
+        m, n = self.CYCLE[self.i % len(self.CYCLE)]
+        self.i += 1
+        out = [[0] * n if j < m and len(s) else [] for j, s in enumerate(sampled_token_ids)]
+        self.e = sum(len(d) for d in out)
+        self.last = time.perf_counter()
+        return out

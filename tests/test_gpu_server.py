@@ -115,7 +115,7 @@ def test_ranks_whose_drafts_vllm_drops_never_touch_ray(monkeypatch, tp_rank, las
 
     fake_groups(monkeypatch, tp_rank, last_pp)
 
-    def no_ray(cfg):
+    def no_ray(cfg, cores=None):
         raise AssertionError("a rank without drafts started Ray")
     monkeypatch.setattr(proposer_mod, "_ensure_ray", no_ray)
     p = proposer_mod.DuoProposer(spec_config())
@@ -146,7 +146,7 @@ def test_a_data_parallel_replica_names_its_actor(monkeypatch):
     class Stop(Exception):
         pass
 
-    def capture(cfg):  # the first Ray call: the actor's name is settled by then
+    def capture(cfg, cores=None):  # the first Ray call: the actor's name is settled by then
         seen["name"] = cfg.actor_name
         raise Stop
     monkeypatch.setattr(proposer_mod, "_ensure_ray", capture)

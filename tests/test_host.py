@@ -172,3 +172,31 @@ def test_choose_draft_cores_without_topology_treats_each_cpu_as_a_core():
     assert choose_draft_cores([0, 1, 2, 3], None).cores == [2, 3]
     assert choose_draft_cores([0, 1], [0, 1]).cores == [1]  # nothing free: shares the last
     assert choose_draft_cores([0, 1], [0, 1]).shared
+
+
+_PIN_CHILD = """
+import os, sys, threading
+from duo_vllm.actor import pin_process
+ready, stop = threading.Event(), threading.Event()
+tid = []
+def early():  # a thread started before the pin, as Ray's are in an actor's process
+    tid.append(threading.get_native_id()); ready.set(); stop.wait()
+t = threading.Thread(target=early); t.start(); ready.wait()
+cpu = int(sys.argv[1])
+pin_process([cpu])
+print(sorted(os.sched_getaffinity(0)), sorted(os.sched_getaffinity(tid[0])))
+stop.set(); t.join()
+"""
+
+
+def test_pin_process_pins_threads_started_before_it():
+    """The draft actor's process has threads (Ray's) before it pins itself: every one of
+    them must leave the target's cores, not only the thread that pins."""
+    import os
+    import subprocess
+    import sys
+
+    cpu = max(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", _PIN_CHILD, str(cpu)], capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split("\n")[0]
+    assert out == f"[{cpu}] [{cpu}]"

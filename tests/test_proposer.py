@@ -111,6 +111,13 @@ def test_vocab_mismatch_names_both_models(other_vocab_target):
         DuoProposer(vllm_config(other_vocab_target, duo={"use_actor": False}))
 
 
+def _affinity(tid: int) -> set[int] | None:
+    try:
+        return os.sched_getaffinity(tid)
+    except OSError:
+        return None
+
+
 def test_ray_actor_is_named_pinned_and_shared(target_dir):
     import ray
 
@@ -120,6 +127,10 @@ def test_ray_actor_is_named_pinned_and_shared(target_dir):
         p1 = DuoProposer(vllm_config(target_dir, duo=cfg))
         info = p1._client.info
         assert info["cores"] == [1] and info["n_threads"] == 1 and info["pid"] != os.getpid()
+        # every thread of the actor's process, Ray's own included, is off the target's core
+        masks = [_affinity(int(t)) for t in os.listdir(f"/proc/{info['pid']}/task")]
+        masks = [m for m in masks if m is not None]  # a thread may end meanwhile
+        assert len(masks) > 1 and set().union(*masks) == {1}
         assert ray.get_actor("duo_test_actor", namespace="duo_test") is not None
         with pytest.raises(ValueError):
             ray.get_actor("duo_test_actor", namespace="some_other_job")
