@@ -7,6 +7,8 @@ with the draft model on and off, per batch-size bucket.
 
 from __future__ import annotations
 
+from .goodput import batch_bucket
+
 
 class DraftGate:
     """Is drafting faster than plain decoding at this batch size? Measured, not modelled.
@@ -49,7 +51,7 @@ class DraftGate:
     @staticmethod
     def bucket(batch: int, sampled: bool = False) -> tuple[int, bool]:
         """Batch sizes 1, 2-3, 4-7, ...; all-greedy steps apart from those with sampling."""
-        return max(1, batch).bit_length() - 1, bool(sampled)
+        return batch_bucket(batch), bool(sampled)
 
     def drafting(self, batch: int, sampled: bool = False) -> bool:
         """The mode for a step of ``batch`` requests (and the bookkeeping of the trials).

