@@ -43,6 +43,10 @@ def run_vllm(tmp_path: Path, name: str, timeout: int = 900, expect_failure: bool
     With ``expect_failure`` the run must fail; its log is returned as ``{"log": ...}``.
     """
     request.setdefault("env", dict(E2E_ENV))
+    # eager engines (no torch.compile): the same tokens (greedy output is compared
+    # engine against engine, both eager), about a minute less start-up per engine;
+    # the `vllm serve` tests (tests/test_serve.py) run compiled, as users do
+    request.setdefault("eager", True)
     req_path, out_path = tmp_path / f"{name}.req.json", tmp_path / f"{name}.out.json"
     req_path.write_text(json.dumps(request))
     log_path = tmp_path / f"{name}.log"

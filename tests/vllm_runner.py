@@ -5,7 +5,7 @@
 request.json: {"target", "prompts" (chat-formatted text), "max_tokens",
 "temperature", "top_p", "speculative_config" (or null), "env" (extra
 variables), "max_model_len", "max_num_seqs", "dtype" (default float32: the
-default target's own dtype), "n", "seed" or "seeds" (one per prompt)}. Keeping each engine in a process of its own
+default target's own dtype), "n", "seed" or "seeds" (one per prompt), "eager" (vLLM's enforce_eager)}. Keeping each engine in a process of its own
 isolates the tests from vLLM's process and signal handling, and frees all
 of an engine's memory and Ray processes when it exits.
 """
@@ -27,7 +27,8 @@ def main() -> int:
 
     llm = LLM(model=req["target"], max_model_len=req.get("max_model_len", 2048), seed=0,
               dtype=req.get("dtype", "float32"), max_num_seqs=req.get("max_num_seqs", 256),
-              speculative_config=req.get("speculative_config"), disable_log_stats=False)
+              speculative_config=req.get("speculative_config"), disable_log_stats=False,
+              enforce_eager=req.get("eager", False))
 
     def sampling(seed):
         return SamplingParams(temperature=req.get("temperature", 0.0),
