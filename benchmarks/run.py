@@ -89,7 +89,8 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
           "floor_steps", "no_slot", "probes", "gate_plain_steps", "lookup_rows",
           "propose_steps", "propose_total_s",
          "lookup_tokens_served", "lookup_tokens_accepted", "model_tokens_served",
-         "model_tokens_accepted", "busy_s", "prefill_tokens", "predraft_tokens", "sync_tokens")}
+         "model_tokens_accepted", "busy_s", "prefill_tokens", "predraft_tokens", "sync_tokens",
+          "sync_s", "sync_calls", "propose_calls")}
     lengths = {int(n): c - before.get("chosen_lengths", {}).get(n, 0)
                for n, c in after.get("chosen_lengths", {}).items()}
     return {
@@ -108,6 +109,10 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         "acceptance": {r: after.get(f"acceptance_{r}") for r in ("greedy", "sampled")},
         "propose_wait_ms": after.get("propose_wait_ms"),  # averages since the engine started
         "lock_wait_ms": after.get("lock_wait_ms"),
+        "actor_propose_ms": after.get("actor_propose_ms"),  # likewise
+        # drafting on the spot while vLLM waited: calls, and ms per draft-model step
+        "sync_calls": d["sync_calls"],
+        "sync_ms_per_call": 1e3 * d["sync_s"] / d["propose_calls"] if d["propose_calls"] else None,
         "predraft_hit_rate": d["predraft_hits"] / d["requests"] if d["requests"] else 0.0,
         "branch_hit_rate": (d["predraft_hits"] / d["predraft_lookups"]
                             if d["predraft_lookups"] else 0.0),
@@ -360,7 +365,8 @@ def summarise(results: dict) -> dict:
                 entry["controller"] = {k: s["duo"].get(k) for k in (
                     "floor_fraction", "chosen_lengths", "no_slot", "probes",
                     "draft_call_ms_by_width", "verify_token_ms", "target_step_ms_by_batch",
-                    "acceptance", "propose_wait_ms", "lock_wait_ms", "gate_plain_steps",
+                    "acceptance", "propose_wait_ms", "lock_wait_ms", "actor_propose_ms", "sync_calls",
+                    "sync_ms_per_call", "gate_plain_steps",
                     "gate_tokens_per_s", "draft_busy_s", "propose_ms_per_step", "sources", "lookup_rows", "source_alpha")}
             if s["temperature"] == 0.0 and key in ref_shapes:
                 mine = [x["token_ids"] for x in rows if x["repeat"] == 0]
@@ -443,8 +449,11 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                          f"{{{steps}}}, verify {_f(c.get('verify_token_ms'), '{:.1f}')} ms/token, "
                          f"acceptance {c['acceptance']}; vLLM waited "
                          f"{_f(c.get('propose_wait_ms'), '{:.1f}')} ms/step for drafts "
-                         f"({_f(c.get('lock_wait_ms'), '{:.1f}')} of it for a draft call under "
-                         "way; engine averages)")
+                         f"({_f(c.get('actor_propose_ms'), '{:.1f}')} inside the actor, "
+                         f"{_f(c.get('lock_wait_ms'), '{:.1f}')} of that for a draft call under "
+                         "way; engine averages), drafting on the spot "
+                         f"{_f(c.get('sync_ms_per_call'), '{:.1f}')} ms per draft-model step "
+                         f"({c.get('sync_calls')} calls)")
             src = c.get("sources") or {}
             if src.get("lookup", {}).get("served") or c.get("lookup_rows"):
                 lines.append(f"- {name} sources: " + ", ".join(

@@ -99,6 +99,7 @@ class DraftWorker:
         self._contexts = DeltaReceiver()  # the contexts of the last step, per request
         self._max_prompts = self.limits.max_sequences
         self._lock_wait_s, self._proposes = 0.0, 0  # steps' waits for a decode under way
+        self._handler_s = 0.0  # time inside propose(): the part of vLLM's wait spent here
         self._wake = threading.Event()
         self._closed = False
         self._deadline = None
@@ -142,6 +143,15 @@ class DraftWorker:
         otherwise the step goes without a draft and these contexts are left
         for the background thread: vLLM never waits on a long prefill.
         """
+        t_in = time.perf_counter()
+        try:
+            return self._propose_delta(contexts, max_tokens, target_step_s, temperatures,
+                                       per_token_s, hints)
+        finally:
+            self._handler_s += time.perf_counter() - t_in
+
+    def _propose_delta(self, contexts, max_tokens, target_step_s, temperatures, per_token_s,
+                       hints):
         if not isinstance(contexts, Delta):
             return self._propose(contexts, max_tokens, target_step_s, temperatures,
                                  per_token_s, hints)
@@ -281,6 +291,7 @@ class DraftWorker:
         out["draft_token_ms"] = 1e3 * self.drafter.token_s.get(float("nan"))
         out["draft_prefill_token_ms"] = 1e3 * self.drafter.prefill_s.get(float("nan"))
         out["lock_wait_ms"] = 1e3 * self._lock_wait_s / max(1, self._proposes)
+        out["actor_propose_ms"] = 1e3 * self._handler_s / max(1, self._proposes)
         out["target_step_ms"] = 1e3 * (self.drafter.target_step_s or float("nan"))
         out["verify_token_ms"] = 1e3 * (self.drafter.per_token_s or float("nan"))
         out["draft_call_ms_by_width"] = {w: 1e3 * s for w, s in

@@ -249,7 +249,15 @@ class ActorClient:
 
 
 def _actor_gone(error: Exception) -> bool:
-    """Did the call fail because the actor process died or became unreachable?"""
-    from ray.exceptions import RayActorError  # ActorDiedError, ActorUnavailableError
+    """Did the call fail because of Ray or the actor's process (died, unreachable, its
+    result lost with a worker or a node), not because the drafter's code raised?
 
-    return isinstance(error, RayActorError)
+    The first kind is worth a restart (bounded by ``max_restarts``); the second,
+    Ray's ``RayTaskError`` or any other exception, would fail again.
+    """
+    from ray.exceptions import RayActorError, RayError, RayTaskError
+
+    if isinstance(error, RayActorError):  # ActorDiedError, ActorUnavailableError
+        return True
+    # ObjectLostError, WorkerCrashedError, NodeDiedError, RaySystemError, ...
+    return isinstance(error, RayError) and not isinstance(error, RayTaskError)

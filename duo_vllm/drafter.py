@@ -194,8 +194,11 @@ class DuoDrafter:
             st.predraft_hits += 1
             st.branch_hits[r.tree.branches.index(r.branch)] += 1
         if chosen and depth > 0:
+            t_sync = time.perf_counter()
             self._draft_chains([(r.row, r.slot, min(depth, r.k)) for r in chosen],
                                {r.row: r.ctx for r in chosen}, out)
+            st.sync_s += time.perf_counter() - t_sync
+            st.sync_calls += 1
         self.live = {r.slot.seq_id for r in rows}
         for r in rows:
             draft = out[r.row]

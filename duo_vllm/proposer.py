@@ -199,6 +199,7 @@ class DuoProposer:
         self._stats_ref, self._stats_logged_at = None, time.monotonic()
         self._prefetch = False
         self._passive = False  # a rank whose drafts vLLM does not use
+        self._held = False  # drafting held off by hold(): plain decoding, no draft work
         self.gate = DraftGate()  # drafting on only while it is measured to be faster
         # a fixed budget drafts every step
         self._gated = self.config.budget == "auto" and self.config.gate
@@ -255,7 +256,7 @@ class DuoProposer:
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        if self._failed or self._passive:
+        if self._failed or self._passive or self._held:
             return drafts
         token_ids = np.asarray(token_ids_cpu)  # a numpy array in vLLM 0.32, or a tensor
         rows, contexts, budgets, lookup_caps = [], [], [], []
@@ -368,7 +369,7 @@ class DuoProposer:
         requests, running and new).
         """
         self._new_requests = True
-        if self._passive or not self._prefetch or self._failed:
+        if self._passive or not self._prefetch or self._failed or self._held:
             return
         if self._gated and self._runner is not None and not self._will_draft(new_reqs, batch):
             return  # the gate keeps drafting off at the batch size they make: no draft work
@@ -389,6 +390,17 @@ class DuoProposer:
                  for r in new_reqs]
         sampled = self._sampled or any(t > 1e-5 for t in temps)
         return self.gate.mode(batch or self._last_step[0] + len(new_reqs), sampled)
+
+    def hold(self, held: bool = True) -> None:
+        """Hold drafting off (``held``), or let it go on: while held, every step is plain
+        decoding and the draft side does no work. The measured state (gate, step times,
+        acceptance) is kept. ``benchmarks/ab.py`` alternates rounds held and not in one
+        engine, to compare them beside each other."""
+        if held and not self._held and not self._passive and not self._failed:
+            self._pause_draft()
+        self._held = bool(held)
+        self._returned_at = None  # no step-time sample across the switch
+        self._counts = {}
 
     def _pause_draft(self) -> None:
         """The gate turned drafting off: the draft side drops its background work."""

@@ -45,6 +45,8 @@ class DraftStats:
     lookup_predrafts: int = 0  # pre-drafts planned from the end of a served lookup draft
     errors: int = 0
     busy_s: float = 0.0
+    sync_s: float = 0.0  # drafting on the spot while vLLM waited
+    sync_calls: int = 0  # steps that drafted on the spot
     started: float | None = None  # the first step
 
     def as_dict(self) -> dict:
@@ -77,4 +79,6 @@ class DraftStats:
             "errors": self.errors,
             "busy_fraction": self.busy_s / wall if wall > 0 else 0.0,
             "busy_s": self.busy_s,
+            "sync_s": self.sync_s,
+            "sync_calls": self.sync_calls,
         }

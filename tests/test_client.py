@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from duo_vllm.client import AUTO_TIMEOUT_FIRST_S, ActorClient, auto_timeout
+from duo_vllm.client import AUTO_TIMEOUT_FIRST_S, ActorClient, _actor_gone, auto_timeout
 
 log = logging.getLogger("test_client")
 
@@ -154,6 +154,21 @@ def test_a_drafter_bug_means_plain_decoding_for_good(ray_local, caplog):
         assert client.propose([[1]], [1], 0.05) is None
     assert client.disabled and "falling back to plain decoding for good" in caplog.text
     assert client.propose([[1]], [1], 0.05) is None
+
+
+def test_ray_failures_restart_the_actor_and_drafter_bugs_do_not():
+    from ray import exceptions as rex
+
+    # Ray or the actor's process failed: a new actor may well work
+    assert _actor_gone(rex.ActorDiedError())
+    assert _actor_gone(rex.ActorUnavailableError("unreachable", b"\0" * 16))
+    assert _actor_gone(rex.WorkerCrashedError())
+    assert _actor_gone(rex.NodeDiedError("node gone"))
+    assert _actor_gone(rex.RaySystemError("raylet gone"))
+    assert _actor_gone(rex.ObjectLostError("00" * 28, None, "propose"))
+    # the drafter's own code raised (Ray wraps it in RayTaskError): it would raise again
+    assert not _actor_gone(rex.RayTaskError("propose", "Traceback ...", ValueError("bug")))
+    assert not _actor_gone(ValueError("bug"))
 
 
 def test_restarts_are_bounded(ray_local, caplog):

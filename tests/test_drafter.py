@@ -583,3 +583,21 @@ def test_a_window_slides_on_past_the_drafts_context():
     assert draft2 == be2.chain(37, 3)
     assert d2.pool.slots[0].offset == len(grown) - 8  # a head of 2, a tail of 8
     assert be2.seqs[0][:10] == list(grown[:2]) + list(grown[-8:])  # evaluated anew
+
+
+def test_stats_split_vllms_wait_into_the_actors_handling_and_drafting_on_the_spot():
+    be, w = slow_worker(0.01, parallel=False)  # serial: every draft is made while vLLM waits
+    try:
+        seq = [1, 2, 3]
+        for _ in range(4):
+            (draft,) = w.propose([ctx(*seq)], [3], 0.05)
+            assert draft == be.chain(seq[-1], 3)
+            seq.append(be.next_token(seq[-1]))
+        s = w.stats()
+        assert s["sync_calls"] == 4
+        # each step evaluates at least its 3 draft tokens on the spot, 10 ms each
+        assert s["sync_s"] >= 4 * 3 * 0.01
+        # the handler's time per step holds the drafting on the spot
+        assert s["actor_propose_ms"] >= 1e3 * s["sync_s"] / 4 > 0
+    finally:
+        w.close()

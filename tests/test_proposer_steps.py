@@ -267,3 +267,28 @@ def test_the_gate_turning_drafting_off_pauses_the_draft_side_and_prompts_follow_
     p.on_new_requests([SimpleNamespace(prompt_token_ids=[5, 6],
                                        sampling_params=SimpleNamespace(temperature=0.7))])
     assert asked[-1] == (2, True)  # a sampled newcomer makes the batch a sampled one
+
+
+def test_held_drafting_is_plain_decoding_with_an_idle_draft_side_and_resumes(clock):
+    w = PausingWorker()
+    p = bare(w)
+    p._prefetch = True
+    batch = SimpleNamespace(temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])
+    p.attach_runner(SimpleNamespace(input_batch=batch))
+    for step in range(2):
+        clock.now += 0.05
+        sampled, n, ids = inputs([[1, 2]])
+        assert p.propose(sampled, n, ids) == [[1, 2, 3, 4]] and len(w.calls) == step + 1
+    p.hold()
+    assert w.pauses == 1  # the draft side drops its background work at once
+    for _ in range(3):
+        clock.now += 0.05
+        sampled, n, ids = inputs([[1, 2]])
+        assert p.propose(sampled, n, ids) == [[]]
+    p.on_new_requests([SimpleNamespace(prompt_token_ids=[1, 2, 3],
+                                       sampling_params=SimpleNamespace(temperature=0.0))])
+    assert len(w.calls) == 2 and w.prefetched == []  # no draft work while held
+    p.hold(False)
+    clock.now += 0.05
+    sampled, n, ids = inputs([[1, 2]])
+    assert p.propose(sampled, n, ids) == [[1, 2, 3, 4]] and len(w.calls) == 3
