@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 # arms that are engines of their own (benchmarks/run.py's methods), target on core 0
-ENGINES = {"spec-empty": "spec-empty", "spec-ray": "spec-ray", "spec-actor": "spec-actor"}
+ENGINES = ("spec-empty", "spec-ray", "spec-actor")
 ARMS = {
     "on": {},
     "off": {"hold": True},
@@ -92,7 +92,7 @@ def rounds(args) -> dict:
     engines = {"plain": LLM(**common)}
     for arm in args.arms:
         if arm in ENGINES:
-            engines[arm] = LLM(**common, speculative_config=method_spec(ENGINES[arm], target,
+            engines[arm] = LLM(**common, speculative_config=method_spec(arm, target,
                                                                         k=args.k))
     duo = None
     if any(arm in ARMS for arm in args.arms):

@@ -400,7 +400,6 @@ class DuoProposer:
             self._pause_draft()
         self._held = bool(held)
         self._returned_at = None  # no step-time sample across the switch
-        self._counts = {}
 
     def _pause_draft(self) -> None:
         """The gate turned drafting off: the draft side drops its background work."""
