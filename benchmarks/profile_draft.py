@@ -33,7 +33,7 @@ from duo_vllm.branching import top_candidates
 from duo_vllm.config import parse_cpu_list
 from duo_vllm.models import default_draft_gguf, prepare_draft
 
-WIDTHS = (1, 2, 4, 8, 16)
+WIDTHS = (1, 2, 3, 4, 6, 8, 16)
 
 
 def profile(model: str, cores: list[int], repeats: int, context: int = 256) -> dict:

@@ -86,7 +86,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         return after
     d = {k: after.get(k, 0) - before.get(k, 0) for k in
          ("requests", "predraft_hits", "predraft_lookups", "steps", "returned_tokens",
-          "floor_steps", "no_slot", "probes", "gate_plain_steps", "lookup_rows",
+          "floor_steps", "no_slot", "probes", "gate_plain_steps", "gate_no_draft_steps", "lookup_rows",
           "propose_steps", "propose_total_s",
          "lookup_tokens_served", "lookup_tokens_accepted", "model_tokens_served",
          "model_tokens_accepted", "busy_s", "prefill_tokens", "predraft_tokens", "sync_tokens",
@@ -96,6 +96,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
     return {
         "floor_fraction": d["floor_steps"] / d["steps"] if d["steps"] else 0.0,
         "gate_plain_steps": d["gate_plain_steps"],
+        "gate_no_draft_steps": d["gate_no_draft_steps"],
         "gate_tokens_per_s": after.get("gate_tokens_per_s"),
         "no_slot": d["no_slot"], "probes": d["probes"],
         "sources": {src: {"served": d[f"{src}_tokens_served"],
@@ -366,7 +367,7 @@ def summarise(results: dict) -> dict:
                     "floor_fraction", "chosen_lengths", "no_slot", "probes",
                     "draft_call_ms_by_width", "verify_token_ms", "target_step_ms_by_batch",
                     "acceptance", "propose_wait_ms", "lock_wait_ms", "actor_propose_ms", "sync_calls",
-                    "sync_ms_per_draft_step", "gate_plain_steps",
+                    "sync_ms_per_draft_step", "gate_plain_steps", "gate_no_draft_steps",
                     "gate_tokens_per_s", "draft_busy_s", "propose_ms_per_step", "sources", "lookup_rows", "source_alpha")}
             if s["temperature"] == 0.0 and key in ref_shapes:
                 mine = [x["token_ids"] for x in rows if x["repeat"] == 0]
@@ -440,7 +441,8 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
             lines.append(f"- {name} controller: draft lengths served {c['chosen_lengths']}, "
                          f"steps the plan left plain {_f(c['floor_fraction'], '{:.0%}')}, "
                          f"steps the gate left without the draft model "
-                         f"{c.get('gate_plain_steps')}, propose() "
+                         f"{c.get('gate_plain_steps')} (of them with no lookups either "
+                         f"{c.get('gate_no_draft_steps')}), propose() "
                          f"{_f(c.get('propose_ms_per_step'), '{:.1f}')} ms/step, draft core busy "
                          f"{_f(c.get('draft_busy_s'), '{:.1f}')} s (measured "
                          f"tokens/s by batch bucket {_rates(c.get('gate_tokens_per_s'))}), "

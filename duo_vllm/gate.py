@@ -33,6 +33,8 @@ class DraftGate:
     a new long prompt, say) does not turn drafting off until the next trial.
     """
 
+    labels = ("on", "off")  # the two modes' names in :meth:`rates`
+
     def __init__(self, trial_steps: int = 32, warmup_steps: int = 8, retry_every: int = 256,
                  margin: float = 0.02, weight: float = 0.05, reach: int | None = 2):
         self.reach = reach  # buckets up that a win carries to a new bucket (None: any)
@@ -69,7 +71,8 @@ class DraftGate:
             if other in self._rate:
                 due = self._clock[b] - self._seen_at[other] > self._retry(b)
             else:  # never measured here: now, unless drafting is unlikely to pay here
-                due = not (other[1] and not self.first_mode(b)) or self._clock[b] > self._retry(b)
+                due = not (other[1] and not self.first_mode(b)) or \
+                    self._clock[b] > self.retry_every
             if due:
                 on = not on  # try the other mode (again), measured afresh
                 self._trying[b] = on
@@ -109,10 +112,20 @@ class DraftGate:
         return self._rate[(near, True)] > self._rate[(near, False)]
 
     def _retry(self, b) -> int:
-        """Steps before the slower mode is tried again: 4x as many when it was far slower
-        and lost its last two trials (one trial may have been a cold start)."""
+        """Steps before the slower mode is tried again.
+
+        A quarter of ``retry_every`` when it has lost no trial of its own since
+        it last won: it was the mode a trial just displaced (or a first mode
+        whose first steps were cold, the draft reading its first prompts).
+        Each switch is thus confirmed by a second look soon: at batch 1 a
+        trial of plain decoding that drew easy prompts once kept drafting off
+        ~250 steps at half the rate it then measured. 4x ``retry_every`` when
+        it was far slower and lost its last two trials of its own.
+        """
         r_on, r_off = self._rate.get((b, True)), self._rate.get((b, False))
         retried = not self._mode.get(b, True)
+        if not self._lost.get((b, retried), 0):
+            return self.retry_every // 4
         if self._lost.get((b, retried), 0) >= 2 and r_on and r_off and \
                 max(r_on, r_off) > 1.2 * min(r_on, r_off):
             return 4 * self.retry_every
@@ -141,6 +154,30 @@ class DraftGate:
         self._seen_at[key] = self._clock.get(b, 0)
 
     def rates(self) -> dict[str, float]:
-        return {f"{1 << b}{'s' if sampled else ''}+{'on' if on else 'off'}": r
+        return {f"{1 << b}{'s' if sampled else ''}+{self.labels[0] if on else self.labels[1]}": r
                 for ((b, sampled), on), r in sorted(self._rate.items())}
+
+
+class LookupGate(DraftGate):
+    """With the draft model off: lookup drafts, or none at all (plain decoding)?
+
+    Verifying a copied token costs the target a slice of a step, and that
+    slice grows with the batch: on a CPU target a lookup token that pays at
+    batch 4 can lose at batch 16. The same measurement as :class:`DraftGate`
+    (tokens over seconds per bucket, trials, retries), with lookups as "on".
+    Every new bucket starts with lookups: a verdict for plain decoding at a
+    smaller batch says nothing of a larger one's quotes (a batch-1 tie once
+    carried to batch 4 and cost it its lookup gain), and a lookup trial costs
+    no draft work. Plain decoding gets its trial after ``trial_steps``, shorter
+    than the model gate's: neither mode has a draft to warm up.
+    """
+
+    labels = ("lookup", "plain")
+
+    def __init__(self, trial_steps: int = 16, warmup_steps: int = 1, retry_every: int = 256,
+                 margin: float = 0.02, weight: float = 0.05):
+        super().__init__(trial_steps, warmup_steps, retry_every, margin, weight, reach=None)
+
+    def first_mode(self, b) -> bool:
+        return True
 

