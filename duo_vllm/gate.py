@@ -48,6 +48,10 @@ class DraftGate:
         self._clock: dict = {}  # bucket -> steps seen
         self._lost: dict = {}  # (bucket, mode) -> its retries in a row that lost
         self._trying: dict = {}  # bucket -> the mode under a retry's trial
+        # buckets whose last switch awaits its second look (the displaced mode's re-check),
+        # and those whose trial under way is that look
+        self._confirm: set = set()
+        self._confirming: set = set()
         self.plain_steps = 0  # steps the gate left to plain decoding
 
     @staticmethod
@@ -76,6 +80,9 @@ class DraftGate:
             if due:
                 on = not on  # try the other mode (again), measured afresh
                 self._trying[b] = on
+                if b in self._confirm:  # this trial is the second look at a switch
+                    self._confirm.discard(b)
+                    self._confirming.add(b)
                 self._sums.pop(other, None)
             elif b in self._trying:  # the end of a trial: judge; between trials, keep the mode
                 on = self.faster_on(b)
@@ -83,11 +90,19 @@ class DraftGate:
                     # the end of a retried mode's trial: did it lose (again)?
                     lost = (b, self._mode[b])
                     self._lost[lost] = self._lost.get(lost, 0) + 1 if on != self._mode[b] else 0
+                    if on == self._mode[b] and b not in self._confirming:
+                        self._confirm.add(b)  # a switch: the displaced mode gets a second look
+                    self._confirming.discard(b)
             if on != self._mode[b]:
                 self._mode[b], self._run[b] = on, 0
         if not on:
             self.plain_steps += 1
         return on
+
+    def trying(self, batch: int, sampled: bool = False) -> bool:
+        """Is a retried mode on trial at this batch size (its steps are measured as that
+        mode's, so nothing else should change meanwhile)?"""
+        return self.bucket(batch, sampled) in self._trying
 
     def mode(self, batch: int, sampled: bool = False) -> bool:
         """The mode a step of ``batch`` requests would get now (no bookkeeping; a trial
@@ -114,17 +129,18 @@ class DraftGate:
     def _retry(self, b) -> int:
         """Steps before the slower mode is tried again.
 
-        A quarter of ``retry_every`` when it has lost no trial of its own since
-        it last won: it was the mode a trial just displaced (or a first mode
-        whose first steps were cold, the draft reading its first prompts).
-        Each switch is thus confirmed by a second look soon: at batch 1 a
-        trial of plain decoding that drew easy prompts once kept drafting off
-        ~250 steps at half the rate it then measured. 4x ``retry_every`` when
-        it was far slower and lost its last two trials of its own.
+        A quarter of ``retry_every`` for the mode a trial has just displaced
+        (a first mode too, whose first steps may have been cold: the draft
+        reading its first prompts): each switch gets one second look soon. At
+        batch 1 a trial of plain decoding that drew easy prompts once kept
+        drafting off ~250 steps at half the rate it then measured. A switch
+        made by that second look gets none (two modes that tie would
+        otherwise swap every quarter interval). 4x ``retry_every`` when it was
+        far slower and lost its last two trials of its own.
         """
         r_on, r_off = self._rate.get((b, True)), self._rate.get((b, False))
         retried = not self._mode.get(b, True)
-        if not self._lost.get((b, retried), 0):
+        if b in self._confirm:
             return self.retry_every // 4
         if self._lost.get((b, retried), 0) >= 2 and r_on and r_off and \
                 max(r_on, r_off) > 1.2 * min(r_on, r_off):

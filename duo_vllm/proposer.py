@@ -204,6 +204,7 @@ class DuoProposer:
         # with the draft model off: lookup drafts, or none (plain decoding), measured alike
         self.lookup_gate = LookupGate()
         self._lookups_on = True  # the lookup gate's choice for the step under way
+        self._lookup_trial = False  # ... and whether the lookup gate measures that step
         # a fixed budget drafts every step
         self._gated = self.config.budget == "auto" and self.config.gate
         self._on = True  # the gate's choice for the step under way
@@ -288,8 +289,7 @@ class DuoProposer:
             was_on, self._on = self._on, self.gate.drafting(len(rows), self._sampled)
             if was_on and not self._on:
                 self._pause_draft()
-            self._lookups_on = self._on or self.lookup is None or \
-                self.lookup_gate.drafting(len(rows), self._sampled)
+            self._lookups_on, self._lookup_trial = self._lookup_mode(len(rows))
         lookups = self._lookups(keys, contexts, lookup_caps, serve=self._lookups_on)
         if not self._on:  # the draft model does not pay at this batch size: no draft work
             return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, None)
@@ -308,6 +308,16 @@ class DuoProposer:
                       for d, k in zip(result, budgets)]
         # result None: the draft side is slow, restarting or gone (lookups only)
         return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, result, hints)
+
+    def _lookup_mode(self, batch: int) -> tuple[bool, bool]:
+        """(serve lookup drafts?, is the step a sample for the lookup gate?) With the draft
+        model on, lookups are part of its mode. While the model gate tries plain decoding
+        its steps measure "off" as it stands: the lookup gate's mode, without trials."""
+        if self._on or self.lookup is None:
+            return True, False
+        if self.gate.trying(batch, self._sampled):
+            return self.lookup_gate.mode(batch, self._sampled), False
+        return self.lookup_gate.drafting(batch, self._sampled), True
 
     def _request_keys(self, rows: list[int]) -> list:
         """Each row's request id (vLLM's input batch), else ``("row", i)``."""
@@ -467,7 +477,7 @@ class DuoProposer:
         self.step_time.observe(batch, extra, sample)
         if produced is not None and started is not None:
             self.gate.observe(batch, self._on, produced, now - started, self._sampled)
-            if not self._on and self.lookup is not None:
+            if self._lookup_trial:
                 self.lookup_gate.observe(batch, self._lookups_on, produced, now - started,
                                          self._sampled)
 

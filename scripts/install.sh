@@ -50,21 +50,25 @@ if ! ls "$WHEEL_DIR"/llama_cpp_python-*.whl >/dev/null 2>&1; then
       echo "[install]   still building llama-cpp-python: $(( ($(date +%s) - built_from) / 60 )) min"
     done ) &
   heartbeat=$!
-  trap 'kill "$heartbeat" 2>/dev/null || true' EXIT
   SRC_DIR="$(mktemp -d)"
-  "$PY" -m pip download --no-deps --no-binary :all: --progress-bar off \
+  trap 'kill "$heartbeat" 2>/dev/null || true; rm -rf "$SRC_DIR"' EXIT
+  # the source of llama-cpp-python only (its build tools, cmake and ninja, stay wheels)
+  "$PY" -m pip download --no-deps --no-binary llama-cpp-python --progress-bar off \
     "llama-cpp-python==$LLAMA_VERSION" -d "$SRC_DIR"
   tar -xzf "$SRC_DIR"/llama_cpp_python-*.tar.gz -C "$SRC_DIR"
   SRC="$(ls -d "$SRC_DIR"/llama_cpp_python-*/)"
-  if patch -d "$SRC" -p1 --dry-run -s < "$LLAMA_PATCH" >/dev/null; then
-    patch -d "$SRC" -p1 -s < "$LLAMA_PATCH"
+  if ! command -v patch >/dev/null; then
+    echo "[install] the patch command is missing: apt-get install patch" >&2
+    exit 1
+  fi
+  if patch -d "$SRC" -p1 -N --batch --dry-run -s < "$LLAMA_PATCH" >/dev/null; then
+    patch -d "$SRC" -p1 -N --batch -s < "$LLAMA_PATCH"
     echo "[install] applied $(basename "$LLAMA_PATCH")"
   else  # another llama-cpp-python version (DUO_LLAMA_VERSION): upstream's kernels
     echo "[install] WARNING: $(basename "$LLAMA_PATCH") does not apply to" \
          "llama-cpp-python $LLAMA_VERSION; building it unpatched (slower drafts of 2-7 sequences)"
   fi
   CMAKE_ARGS="$LLAMA_FLAGS" "$PY" -m pip wheel --no-cache-dir --no-deps "$SRC" -w "$WHEEL_DIR"
-  rm -rf "$SRC_DIR"
   kill "$heartbeat" 2>/dev/null || true
   echo "[install] built in $(( ($(date +%s) - built_from) / 60 )) min"
 else

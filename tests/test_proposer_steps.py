@@ -344,3 +344,26 @@ def test_the_lookup_gate_is_only_asked_while_the_draft_model_is_off(clock):
         p.propose(sampled, n, ids)
         clock.now += 0.1
         assert p._lookups_on
+
+
+def test_while_the_model_gate_tries_plain_decoding_the_lookup_gate_holds_its_mode(clock):
+    """The model gate's trial of "off" measures "off" as it stands: no lookup-gate trial
+    may start inside it, and its steps are no lookup-gate samples."""
+    from duo_vllm.lookup import ContextLookup
+
+    p = bare(FakeWorker(), k=2)
+    p.lookup = ContextLookup(min_n=2, max_n=4)
+    p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
+        temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])))
+    p.gate.drafting = lambda b, sampled: False
+    p.gate.trying = lambda b, sampled: True  # a trial of "off" is under way
+    p.lookup_gate.mode = lambda b, sampled: False  # the lookup gate has plain decoding
+    p.lookup_gate.drafting = lambda b, sampled: pytest.fail("a lookup trial inside it")
+    p.lookup_gate.observe = lambda *a: pytest.fail("its steps are no lookup-gate samples")
+    ctx = [5, 6, 7, 8, 9, 10, 5, 6]
+    for _ in range(3):
+        sampled, n, ids = inputs([ctx])
+        assert p.propose(sampled, n, ids) == [[]]  # the lookup gate's mode: plain
+        clock.now += 0.1
+        ctx = ctx + [7]
+    assert p._errors == 0  # (propose() never raises: a failure would only be counted)
