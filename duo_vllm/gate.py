@@ -48,10 +48,6 @@ class DraftGate:
         self._clock: dict = {}  # bucket -> steps seen
         self._lost: dict = {}  # (bucket, mode) -> its retries in a row that lost
         self._trying: dict = {}  # bucket -> the mode under a retry's trial
-        # buckets whose last switch awaits its second look (the displaced mode's re-check),
-        # and those whose trial under way is that look
-        self._confirm: set = set()
-        self._confirming: set = set()
         self.plain_steps = 0  # steps the gate left to plain decoding
 
     @staticmethod
@@ -75,14 +71,10 @@ class DraftGate:
             if other in self._rate:
                 due = self._clock[b] - self._seen_at[other] > self._retry(b)
             else:  # never measured here: now, unless drafting is unlikely to pay here
-                due = not (other[1] and not self.first_mode(b)) or \
-                    self._clock[b] > self.retry_every
+                due = not (other[1] and not self.first_mode(b)) or self._clock[b] > self._retry(b)
             if due:
                 on = not on  # try the other mode (again), measured afresh
                 self._trying[b] = on
-                if b in self._confirm:  # this trial is the second look at a switch
-                    self._confirm.discard(b)
-                    self._confirming.add(b)
                 self._sums.pop(other, None)
             elif b in self._trying:  # the end of a trial: judge; between trials, keep the mode
                 on = self.faster_on(b)
@@ -90,9 +82,6 @@ class DraftGate:
                     # the end of a retried mode's trial: did it lose (again)?
                     lost = (b, self._mode[b])
                     self._lost[lost] = self._lost.get(lost, 0) + 1 if on != self._mode[b] else 0
-                    if on == self._mode[b] and b not in self._confirming:
-                        self._confirm.add(b)  # a switch: the displaced mode gets a second look
-                    self._confirming.discard(b)
             if on != self._mode[b]:
                 self._mode[b], self._run[b] = on, 0
         if not on:
@@ -127,21 +116,10 @@ class DraftGate:
         return self._rate[(near, True)] > self._rate[(near, False)]
 
     def _retry(self, b) -> int:
-        """Steps before the slower mode is tried again.
-
-        A quarter of ``retry_every`` for the mode a trial has just displaced
-        (a first mode too, whose first steps may have been cold: the draft
-        reading its first prompts): each switch gets one second look soon. At
-        batch 1 a trial of plain decoding that drew easy prompts once kept
-        drafting off ~250 steps at half the rate it then measured. A switch
-        made by that second look gets none (two modes that tie would
-        otherwise swap every quarter interval). 4x ``retry_every`` when it was
-        far slower and lost its last two trials of its own.
-        """
+        """Steps before the slower mode is tried again: 4x as many when it was far slower
+        and lost its last two trials (one trial may have been a cold start)."""
         r_on, r_off = self._rate.get((b, True)), self._rate.get((b, False))
         retried = not self._mode.get(b, True)
-        if b in self._confirm:
-            return self.retry_every // 4
         if self._lost.get((b, retried), 0) >= 2 and r_on and r_off and \
                 max(r_on, r_off) > 1.2 * min(r_on, r_off):
             return 4 * self.retry_every

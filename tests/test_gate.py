@@ -28,15 +28,8 @@ def test_gate_turns_drafting_off_where_plain_decoding_is_faster_and_retries_it()
                    rate_on=60.0, rate_off=100.0, steps=800)
     near = run_gate(DraftGate(trial_steps=10, warmup_steps=2, retry_every=100), 16,
                     rate_on=90.0, rate_off=100.0, steps=800)
-    # the first two retries come as often: the first early (the first trial of a mode
-    # may have been a cold start), the second after retry_every
-    assert switches(far)[:5] == switches(near)[:5] == [12, 37, 50, 150, 163]
+    assert sum(far[:300]) == sum(near[:300])  # the first two retries come as often
     assert sum(far[350:]) < sum(near[350:])
-
-
-def switches(modes):
-    """The steps where the mode changed."""
-    return [i for i in range(1, len(modes)) if modes[i] != modes[i - 1]]
 
 
 def test_a_cold_first_trial_does_not_keep_drafting_off_for_long():
@@ -45,20 +38,6 @@ def test_a_cold_first_trial_does_not_keep_drafting_off_for_long():
     modes = run_gate(gate, 1, rate_on=10.0, rate_off=25.0, steps=20)
     modes += run_gate(gate, 1, rate_on=40.0, rate_off=25.0, steps=300)  # then it pays
     assert sum(modes[-100:]) > 85
-    # plain decoding won only against that one cold trial: drafting is re-checked after
-    # a quarter of retry_every (not a whole one) and wins; a switch made by that second
-    # look gets none of its own: plain decoding waits a whole retry_every
-    assert switches(modes)[:3] == [12, 37, 137] and all(modes[37:137])
-
-
-@pytest.mark.parametrize("gate_class", ["DraftGate", "LookupGate"])
-def test_modes_that_tie_do_not_swap_at_every_second_look(gate_class):
-    from duo_vllm import gate as gate_mod
-
-    gate = getattr(gate_mod, gate_class)(retry_every=256)
-    modes = run_gate(gate, 4, rate_on=50.0, rate_off=50.0, steps=3000)
-    # a trial and the second look it earns, per retry interval at most
-    assert len(switches(modes)) <= 2 * (3000 // 256 + 1)
 
 
 def test_gate_keeps_drafting_where_it_pays_and_batch_sizes_are_judged_apart():
@@ -101,10 +80,9 @@ def test_the_longer_wait_counts_the_losses_of_the_mode_retried_only():
     switch = modes.index(False)
     assert 300 < switch <= 400
     retries = [i - switch for i in range(switch, 1000) if modes[i] and not modes[i - 1]]
-    # drafting, displaced, is re-checked soon (a quarter of retry_every); after its own
-    # first loss at the usual interval, after its second (far slower) 4x later
-    assert retries == [pytest.approx(25, abs=3), pytest.approx(25 + 13 + 100, abs=3),
-                       pytest.approx(138 + 13 + 400, abs=3)]
+    # drafting's own first two losses are retried at the usual interval, then 4x later
+    assert retries[:2] == [pytest.approx(100, abs=3), pytest.approx(213, abs=3)]
+    assert len(retries) == 2
 
 
 def test_a_new_batch_size_starts_in_the_mode_that_won_at_the_nearest_smaller_one():
@@ -128,10 +106,8 @@ def test_a_win_carries_to_a_batch_size_up_to_reach_buckets_above():
     # drafting won at batch 1: batch 4-7 (two buckets up) tries it at once ...
     gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
     run_gate(gate, 1, rate_on=40.0, rate_off=20.0, steps=60)
-    modes = run_gate(gate, 4, rate_on=30.0, rate_off=40.0, steps=100)
-    assert modes[:12] == [True] * 12 and not any(modes[-40:])
-    # (having lost its first trial, which may have been cold, it is re-checked once soon)
-    assert switches(modes) == [12, 37, 50]
+    modes = run_gate(gate, 4, rate_on=30.0, rate_off=40.0, steps=60)
+    assert modes[:12] == [True] * 12 and not any(modes[-20:])
     # ... batch 16 (four up: a static batch right after batch-1 traffic) starts plain and
     # waits a retry interval for drafting's first trial; with reach=None the win carries
     for reach, first in ((2, False), (None, True)):
@@ -187,6 +163,11 @@ def test_the_verdict_weighs_a_cold_stretch_by_what_it_cost():
 
 
 
+def switches(modes):
+    """The steps where the mode changed."""
+    return [i for i in range(1, len(modes)) if modes[i] != modes[i - 1]]
+
+
 def test_the_lookup_gate_serves_lookups_where_they_pay_and_plain_decoding_where_not():
     from duo_vllm.gate import LookupGate
 
@@ -216,3 +197,12 @@ def test_the_lookup_gate_never_carries_plain_decoding_to_a_new_batch_size():
     model = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
     run_gate(model, 1, rate_on=20.0, rate_off=30.0, steps=200)
     assert not model.mode(4)
+
+
+@pytest.mark.parametrize("gate_class", ["DraftGate", "LookupGate"])
+def test_modes_that_tie_are_not_swapped_more_than_once_a_retry_interval(gate_class):
+    from duo_vllm import gate as gate_mod
+
+    gate = getattr(gate_mod, gate_class)(retry_every=256)
+    modes = run_gate(gate, 4, rate_on=50.0, rate_off=50.0, steps=3000)
+    assert len(switches(modes)) <= 3000 // 256 + 1
