@@ -41,6 +41,10 @@ LLAMA_PATCH="$HERE/patches/llama-cpp-sgemm-min-n.patch"
 FLAGS_KEY="$( { printf '%s' "$LLAMA_FLAGS"; cat "$LLAMA_PATCH"; } | sha256sum | cut -c1-12)"
 WHEEL_DIR="$CACHE/wheels/llama-cpp-python-$LLAMA_VERSION-$FLAGS_KEY"
 if ! ls "$WHEEL_DIR"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+  if ! command -v patch >/dev/null; then
+    echo "[install] the patch command is missing: apt-get install patch" >&2
+    exit 1
+  fi
   mkdir -p "$WHEEL_DIR"
   echo "[install] building llama-cpp-python $LLAMA_VERSION with CMAKE_ARGS=$LLAMA_FLAGS"
   echo "[install] (about 10 minutes on 2 cores; once per version and flags, then cached)"
@@ -57,10 +61,6 @@ if ! ls "$WHEEL_DIR"/llama_cpp_python-*.whl >/dev/null 2>&1; then
     "llama-cpp-python==$LLAMA_VERSION" -d "$SRC_DIR"
   tar -xzf "$SRC_DIR"/llama_cpp_python-*.tar.gz -C "$SRC_DIR"
   SRC="$(ls -d "$SRC_DIR"/llama_cpp_python-*/)"
-  if ! command -v patch >/dev/null; then
-    echo "[install] the patch command is missing: apt-get install patch" >&2
-    exit 1
-  fi
   if patch -d "$SRC" -p1 -N --batch --dry-run -s < "$LLAMA_PATCH" >/dev/null; then
     patch -d "$SRC" -p1 -N --batch -s < "$LLAMA_PATCH"
     echo "[install] applied $(basename "$LLAMA_PATCH")"
