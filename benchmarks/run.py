@@ -90,7 +90,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
           "propose_steps", "propose_total_s",
          "lookup_tokens_served", "lookup_tokens_accepted", "model_tokens_served",
          "model_tokens_accepted", "busy_s", "prefill_tokens", "predraft_tokens", "sync_tokens",
-          "sync_s", "sync_calls", "propose_calls")}
+          "sync_s", "sync_calls", "propose_calls", "lookup_misses")}
     lengths = {int(n): c - before.get("chosen_lengths", {}).get(n, 0)
                for n, c in after.get("chosen_lengths", {}).items()}
     return {
@@ -113,6 +113,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         "actor_propose_ms": after.get("actor_propose_ms"),  # likewise
         # drafting on the spot while vLLM waited: calls, and ms per draft-model step
         "sync_calls": d["sync_calls"],
+        "lookup_misses": d["lookup_misses"],  # misses served a lookup draft, no wait
         "sync_ms_per_draft_step": 1e3 * d["sync_s"] / d["propose_calls"] if d["propose_calls"] else None,
         "predraft_hit_rate": d["predraft_hits"] / d["requests"] if d["requests"] else 0.0,
         "branch_hit_rate": (d["predraft_hits"] / d["predraft_lookups"]
@@ -367,7 +368,7 @@ def summarise(results: dict) -> dict:
                     "floor_fraction", "chosen_lengths", "no_slot", "probes",
                     "draft_call_ms_by_width", "verify_token_ms", "target_step_ms_by_batch",
                     "acceptance", "propose_wait_ms", "lock_wait_ms", "actor_propose_ms", "sync_calls",
-                    "sync_ms_per_draft_step", "gate_plain_steps", "gate_no_draft_steps",
+                    "lookup_misses", "sync_ms_per_draft_step", "gate_plain_steps", "gate_no_draft_steps",
                     "gate_tokens_per_s", "draft_busy_s", "propose_ms_per_step", "sources", "lookup_rows", "source_alpha")}
             if s["temperature"] == 0.0 and key in ref_shapes:
                 mine = [x["token_ids"] for x in rows if x["repeat"] == 0]
@@ -455,7 +456,8 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                          f"{_f(c.get('lock_wait_ms'), '{:.1f}')} of that for a draft call under "
                          "way; engine averages), drafting on the spot "
                          f"{_f(c.get('sync_ms_per_draft_step'), '{:.1f}')} ms per draft-model step "
-                         f"({c.get('sync_calls')} calls)")
+                         f"({c.get('sync_calls')} calls; misses served a lookup draft "
+                         f"instead {c.get('lookup_misses')})")
             src = c.get("sources") or {}
             if src.get("lookup", {}).get("served") or c.get("lookup_rows"):
                 lines.append(f"- {name} sources: " + ", ".join(

@@ -188,7 +188,7 @@ class DuoDrafter:
         rows = self._rows(contexts, max_tokens, temps, serve)
         hits = [r for r in rows if r.branch is not None]
         misses = [r for r in rows if r.branch is None and not r.background]
-        served, (chosen, depth) = self._plan_step(len(contexts), hits, misses, cost)
+        served, (chosen, depth) = self._plan_step(len(contexts), hits, misses, cost, hints)
         for r, n in zip(hits, served):
             out[r.row] = self._take_branch(r.slot, r.tree, r.branch, n)
             st.predraft_hits += 1
@@ -272,7 +272,8 @@ class DuoDrafter:
                              tree, branch, catch_up, background))
         return rows
 
-    def _plan_step(self, batch: int, hits: list[_Row], misses: list[_Row], cost: TargetCost):
+    def _plan_step(self, batch: int, hits: list[_Row], misses: list[_Row], cost: TargetCost,
+                   hints=None):
         """Tokens served per hit, and the misses drafted now (with their depth)."""
         policy = self.policy
         if policy.budget is not None:  # fixed: every hit in full, every miss to the budget
@@ -285,12 +286,17 @@ class DuoDrafter:
                 self.stats.probes += 1
         if not misses:
             return served, ([], 0)
-        base_tokens = batch + sum(expected_accepted(r.alpha, n) for r, n in zip(hits, served))
+        # a miss with a lookup draft is served that copy if nothing is drafted for it now
+        fallback = [lookup_fallback(hints[r.row] if hints is not None and r.row < len(hints)
+                                    else None) for r in misses]
+        base_tokens = batch + sum(expected_accepted(r.alpha, n) for r, n in zip(hits, served)) \
+            + sum(t for t, _ in fallback)
         # without a background thread a new prompt can only be evaluated here: an
         # investment in every later step of the request, not a cost of this one
         catch_up = [r.catch_up if policy.predrafts else 1 for r in misses]
         plan = plan_sync([r.alpha for r in misses], [r.k for r in misses], catch_up, cost,
-                         self.draft_time, base_tokens, sum(served))
+                         self.draft_time, base_tokens, sum(served) + sum(n for _, n in fallback),
+                         fallback)
         if not plan.rows and not policy.predrafts:
             # no pre-draft probes without a background thread: probe the quietest miss here
             # (one token), so measured costs and acceptance replace the priors
@@ -298,6 +304,8 @@ class DuoDrafter:
             if self.quiet.get(quiet.slot.seq_id, 0) >= PROBE_EVERY:
                 self.stats.probes += 1
                 return served, ([quiet], 1)
+        self.stats.lookup_misses += sum(1 for i, (_, n) in enumerate(fallback)
+                                        if n and i not in plan.rows)
         return served, ([misses[i] for i in plan.rows], plan.depth)
 
     def _slide(self, slot: Slot, ctx: np.ndarray) -> Assignment:
@@ -627,6 +635,15 @@ class DuoDrafter:
                     slot.tokens = np.append(slot.tokens, np.int32(br.tokens[-1]))
                 br.tokens.append(int(np.argmax(lg)))
                 left[j] -= 1
+
+
+def lookup_fallback(hint: Hint | None) -> tuple[float, int]:
+    """(expected accepted tokens, length) of what a row is served from its lookup draft
+    alone, as the proposer's :func:`~duo_vllm.lookup.choose` cuts it."""
+    if hint is None or not hint.tokens:
+        return 0.0, 0
+    draft, _ = choose([], hint.tokens, hint.alpha_model, hint.alpha_lookup, hint.threshold)
+    return expected_accepted(hint.alpha_lookup, len(draft)), len(draft)
 
 
 def _tempered(logits: np.ndarray, temperature: float) -> np.ndarray:

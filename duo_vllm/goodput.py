@@ -99,15 +99,24 @@ class SyncPlan:
 
 def plan_sync(alphas: Sequence[float], caps: Sequence[int], catch_up: Sequence[int],
               cost: TargetCost, draft_time: Callable[[int], float],
-              base_tokens: float, base_extra: int) -> SyncPlan:
+              base_tokens: float, base_extra: int,
+              fallback: Sequence[tuple[float, int]] | None = None) -> SyncPlan:
     """Draft now, while vLLM waits, for requests without a pre-draft?
 
     The candidates (with their ``catch_up`` tokens to evaluate first) are
-    taken most-likely-accepted first: the m best drafted to depth d cost
+    taken most-gaining first: the m best drafted to depth d cost
     D(Σ catch-up) + (d - 1) · D(m) of waiting. The (m, d) with the best
     goodput wins; (0, 0) when none beats ``base`` (the rest of the step).
+
+    ``fallback[i]`` = (expected accepted tokens, tokens verified) of what
+    candidate i is served without drafting: a lookup draft, free. It is in
+    ``base``; a candidate drafted now serves the model's draft instead, so it
+    gains E(α_i, d) - fallback, not E(α_i, d): a request whose context
+    already offers a good copy is not worth a wait.
     """
-    order = sorted(range(len(alphas)), key=lambda i: -alphas[i])
+    fb = list(fallback) if fallback is not None else [(0.0, 0)] * len(alphas)
+    order = sorted(range(len(alphas)),
+                   key=lambda i: -(expected_accepted(alphas[i], caps[i]) - fb[i][0]))
     best = SyncPlan((), 0, 0.0)
     best_rate = base_tokens / cost.step(base_extra)
     k = max(caps, default=0)
@@ -117,8 +126,10 @@ def plan_sync(alphas: Sequence[float], caps: Sequence[int], catch_up: Sequence[i
         for d in range(1, k + 1):
             n = [min(d, caps[i]) for i in rows]
             wait = first + (d - 1) * draft_time(m)
-            tokens = base_tokens + sum(expected_accepted(alphas[i], x) for i, x in zip(rows, n))
-            rate = tokens / (cost.step(base_extra + sum(n)) + wait)
+            tokens = base_tokens + sum(expected_accepted(alphas[i], x) - fb[i][0]
+                                       for i, x in zip(rows, n))
+            extra = base_extra + sum(x - fb[i][1] for i, x in zip(rows, n))
+            rate = tokens / (cost.step(extra) + wait)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = SyncPlan(tuple(rows), d, wait), rate
     return best

@@ -43,6 +43,7 @@ class DraftStats:
     no_slot: int = 0  # request-steps left to plain decoding: every draft slot was in use
     probes: int = 0  # drafts made only to re-measure acceptance
     lookup_predrafts: int = 0  # pre-drafts planned from the end of a served lookup draft
+    lookup_misses: int = 0  # pre-draft misses served their lookup draft, no draft on the spot
     errors: int = 0
     busy_s: float = 0.0
     sync_s: float = 0.0  # drafting on the spot while vLLM waited
@@ -76,6 +77,7 @@ class DraftStats:
             "no_slot": self.no_slot,
             "probes": self.probes,
             "lookup_predrafts": self.lookup_predrafts,
+            "lookup_misses": self.lookup_misses,
             "errors": self.errors,
             "busy_fraction": self.busy_s / wall if wall > 0 else 0.0,
             "busy_s": self.busy_s,

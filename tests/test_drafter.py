@@ -225,6 +225,29 @@ def test_controller_drafts_nothing_when_drafting_does_not_pay():
     assert d.stats.floor_steps == 3 and d.stats.chosen_lengths == {0: 3}
 
 
+def test_a_miss_with_a_good_lookup_copy_is_not_drafted_on_the_spot():
+    """vLLM does not wait for a model draft where the request's lookup draft, served
+    anyway, is as likely accepted: the draft core pre-drafts from the copy's end."""
+    from duo_vllm.lookup import Hint
+
+    def step(hint):
+        be, d = make(auto())
+        d.draft_time = FixedDraftTime(0.012, 0.001)
+        (draft,) = d.propose([ctx(1, 2, 3)], [4], target_step_s=0.045, per_token_s=0.0015,
+                             hints=[hint])
+        return be, d, draft
+
+    be, d, draft = step(None)  # no copy: drafted on the spot
+    assert draft and d.stats.sync_calls == 1 and d.stats.lookup_misses == 0
+    copy = [7, 7, 7, 7]
+    be, d, draft = step(Hint(copy, 0.88, 0.9, 0.0))
+    assert draft == [] and be.decode_calls == 0 and d.stats.sync_calls == 0
+    assert d.stats.lookup_misses == 1
+    assert list(d.jobs[0].prefix) == [1, 2, 3, *copy]  # pre-drafted from the copy's end
+    be, d, draft = step(Hint(copy, 0.88, 0.1, 0.0))  # a copy it rarely accepts
+    assert draft and d.stats.sync_calls == 1
+
+
 def test_controller_verifying_too_expensive_gives_zero_then_probes():
     be, d = make(auto())
     d.draft_time = FixedDraftTime(0.001)

@@ -84,6 +84,31 @@ def test_sync_drafting_takes_the_likeliest_requests_and_counts_catch_up():
     assert plan.depth == 0
 
 
+def test_a_free_lookup_draft_makes_waiting_for_the_model_pay_less():
+    # batch 1, a 45 ms step, 12 ms draft calls, α 0.88: on a miss, drafting 4 tokens
+    # on the spot pays against nothing (the controller's usual choice)
+    cost = TargetCost(0.045, 0.0015)
+    d = per_call(12.0, 8.0)
+    assert plan_sync([0.88], [4], [1], cost, d, base_tokens=1, base_extra=0).depth == 4
+    # the request's context offers a 4-token copy it accepts at 0.85: that is served for
+    # free, and waiting ~48 ms for the model's draft no longer pays
+    fb = (expected_accepted(0.85, 4), 4)
+    plan = plan_sync([0.88], [4], [1], cost, d, base_tokens=1 + fb[0], base_extra=4,
+                     fallback=[fb])
+    assert plan.rows == () and plan.depth == 0
+    # a copy it rarely accepts changes little: the model is still worth the wait
+    fb = (expected_accepted(0.2, 2), 2)
+    plan = plan_sync([0.88], [4], [1], cost, d, base_tokens=1 + fb[0], base_extra=2,
+                     fallback=[fb])
+    assert plan.rows == (0,) and plan.depth == 4
+    # two misses, cheaper draft calls: the one without a good copy is drafted, the
+    # other served its copy
+    fb = [(expected_accepted(0.9, 4), 4), (0.0, 0)]
+    plan = plan_sync([0.88, 0.85], [4, 4], [1, 1], cost, per_call(4.0),
+                     base_tokens=2 + fb[0][0], base_extra=4, fallback=fb)
+    assert plan.rows == (1,)
+
+
 def test_predraft_fits_the_target_step_and_favours_likely_hits():
     d = per_call(10.0, 5.0)
     depths = plan_predraft([0.9], [0.8], [8], [1], 0.050, d, min_gain=0.01)
