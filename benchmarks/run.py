@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -356,6 +357,9 @@ def summarise(results: dict) -> dict:
             sp = s["spec"]
             entry["mean_accepted_len"] = 1 + sp["accepted"] / sp["drafts"] if sp["drafts"] else None
             entry["acceptance_rate"] = sp["accepted"] / sp["proposed"] if sp["proposed"] else None
+            paired = _paired_ratio(rows, ref_shapes.get(key, {}).get("rows", []))
+            if paired is not None and name != "plain-1core":
+                entry["paired_vs_plain-1core"] = paired
             lat = [x for r in rows for x in r.get("latency_s", [])]
             if lat:
                 lat.sort()
@@ -399,6 +403,18 @@ def _f(x, fmt="{:.2f}"):
     return "-" if x is None else fmt.format(x)
 
 
+def _paired_ratio(rows: list, ref_rows: list) -> float | None:
+    """Geometric mean over (prompt, repeat) of tok/s against the baseline's run of the same
+    prompt: one request at a time, per-prompt speeds differ 3x between tasks, and this
+    ratio does not move with which prompts land near the median."""
+    ref = {(x["prompt"], x["repeat"]): x["tokens"] / x["seconds"] for x in ref_rows
+           if "prompt" in x and x.get("seconds")}
+    logs = [math.log((x["tokens"] / x["seconds"]) / ref[(x["prompt"], x["repeat"])])
+            for x in rows if (x.get("prompt"), x.get("repeat")) in ref and x.get("seconds")
+            and x["tokens"] and ref[(x["prompt"], x["repeat"])] > 0]
+    return math.exp(sum(logs) / len(logs)) if logs else None
+
+
 def markdown(summary: dict, results: dict, meta: dict) -> str:
     m = meta["machine"]
     lines = [f"Machine: {m['cpu_model']}, {m['cores']} cores, {m.get('gpu') or 'no GPU'}. "
@@ -422,6 +438,11 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                 f"{_f(e.get('mean_accepted_len'))} | {_f(e.get('acceptance_rate'))} | "
                 f"{_f(e.get('predraft_hit_rate'))} | {_f(e.get('branch_hit_rate'))} | "
                 f"{'-' if eq is None else ('yes' if eq else '**NO**')} |")
+        for name, e in methods.items():
+            if e.get("paired_vs_plain-1core") is not None:
+                lines.append(f"- {name}, paired per prompt (geometric mean of each prompt's "
+                             f"tok/s over plain-1core's on it): "
+                             f"{e['paired_vs_plain-1core']:.2f}x")
         lat = {n: e for n, e in methods.items() if e.get("p50_latency_s") is not None}
         if lat:
             ref = lat.get("plain-1core")

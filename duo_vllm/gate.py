@@ -31,12 +31,20 @@ class DraftGate:
     pay a trial at each new batch size where drafting is unlikely to pay).
     Modes change only at the end of a trial: a dip between trials (the steps while the draft prefills
     a new long prompt, say) does not turn drafting off until the next trial.
+
+    Steps that carry a ``key`` (the proposer passes the request at batch 1)
+    are also summed per key: a trial is judged against the other mode on the
+    same request where both ran at least ``paired_steps`` steps on it. At
+    batch 1 one request follows another, and a trial that fell on a request
+    that copies its prompt (fast in any mode) must not beat drafting measured
+    on a harder one.
     """
 
     labels = ("on", "off")  # the two modes' names in :meth:`rates`
 
     def __init__(self, trial_steps: int = 32, warmup_steps: int = 8, retry_every: int = 256,
-                 margin: float = 0.02, weight: float = 0.05, reach: int | None = 2):
+                 margin: float = 0.02, weight: float = 0.05, reach: int | None = 2,
+                 paired_steps: int = 8):
         self.reach = reach  # buckets up that a win carries to a new bucket (None: any)
         self.trial_steps, self.warmup_steps = trial_steps, warmup_steps
         self.retry_every, self.margin, self.weight = retry_every, margin, weight
@@ -48,6 +56,8 @@ class DraftGate:
         self._clock: dict = {}  # bucket -> steps seen
         self._lost: dict = {}  # (bucket, mode) -> its retries in a row that lost
         self._trying: dict = {}  # bucket -> the mode under a retry's trial
+        self.paired_steps = paired_steps
+        self._paired: dict = {}  # bucket -> {(key, on): [tokens, seconds, steps]}
         self.plain_steps = 0  # steps the gate left to plain decoding
 
     @staticmethod
@@ -76,8 +86,11 @@ class DraftGate:
                 on = not on  # try the other mode (again), measured afresh
                 self._trying[b] = on
                 self._sums.pop(other, None)
+                paired = self._paired.get(b, {})
+                for k in [k for k in paired if k[1] == on]:
+                    del paired[k]
             elif b in self._trying:  # the end of a trial: judge; between trials, keep the mode
-                on = self.faster_on(b)
+                on = self._verdict(b)
                 if self._trying.pop(b) == self._mode[b]:
                     # the end of a retried mode's trial: did it lose (again)?
                     lost = (b, self._mode[b])
@@ -125,6 +138,21 @@ class DraftGate:
             return 4 * self.retry_every
         return self.retry_every
 
+    def _verdict(self, b) -> bool:
+        """The end of a trial: the faster mode on the request both modes ran on longest,
+        where there is one (paired), else over the modes' recent steps."""
+        paired = self._paired.pop(b, {})
+        both = [(min(paired[(k, True)][2], paired[(k, False)][2]), i, k)
+                for i, (k, on) in enumerate(paired) if on and (k, False) in paired]
+        best = max(both, default=None)
+        if best is None or best[0] < self.paired_steps:
+            return self.faster_on(b)
+        key = best[2]
+        r_on, r_off = (paired[(key, m)][0] / paired[(key, m)][1] for m in (True, False))
+        # on the same request a tie is no evidence: the mode from before the trial stays
+        return r_on * (1 + self.margin) > r_off if self._mode[b] is False else \
+            r_on > r_off * (1 + self.margin)
+
     def faster_on(self, b) -> bool:
         r_on, r_off = self._rate.get((b, True)), self._rate.get((b, False))
         if r_on is None or r_off is None:
@@ -133,13 +161,22 @@ class DraftGate:
             r_on * (1 + self.margin) > r_off
 
     def observe(self, batch: int, on: bool, tokens: int, seconds: float,
-                sampled: bool = False) -> None:
-        """A step of ``batch`` requests in mode ``on`` produced ``tokens`` in ``seconds``."""
+                sampled: bool = False, key=None) -> None:
+        """A step of ``batch`` requests in mode ``on`` produced ``tokens`` in ``seconds``
+        (``key``: the request it served, where the proposer pairs by request)."""
         if seconds <= 0:
             return
         b = self.bucket(batch, sampled)
         if on and self._mode.get(b) and self._run.get(b, 0) <= self.warmup_steps:
             return  # the draft is catching up: not yet what drafting gives
+        if key is not None:
+            paired = self._paired.setdefault(b, {})
+            if (key, on) not in paired and len(paired) >= 8:  # keep the last few requests'
+                paired.pop(next(iter(paired)))
+            sums = paired.setdefault((key, on), [0.0, 0.0, 0])
+            sums[0] += tokens
+            sums[1] += seconds
+            sums[2] += 1
         key = (b, on)
         sums = self._sums.setdefault(key, [0.0, 0.0])
         sums[0] = (1 - self.weight) * sums[0] + tokens

@@ -465,6 +465,7 @@ class DuoProposer:
         """
         now = time.perf_counter()
         new, self._new_requests = self._new_requests, False
+        served = tuple(self._counts)  # the requests of the step that ran
         produced = self._produced(rows, num_tokens_no_spec)
         started, self._started_at = self._started_at, now
         if self._returned_at is None or skip or new:
@@ -476,10 +477,12 @@ class DuoProposer:
             return
         self.step_time.observe(batch, extra, sample)
         if produced is not None and started is not None:
-            self.gate.observe(batch, self._on, produced, now - started, self._sampled)
+            # at batch 1 the gates judge a trial against the other mode on the same request
+            key = served[0] if batch == 1 and len(served) == 1 else None
+            self.gate.observe(batch, self._on, produced, now - started, self._sampled, key)
             if self._lookup_trial:
                 self.lookup_gate.observe(batch, self._lookups_on, produced, now - started,
-                                         self._sampled)
+                                         self._sampled, key)
 
     def _produced(self, rows, num_tokens_no_spec) -> int | None:
         """Tokens the requests of the last step gained in it (from vLLM's input batch)."""

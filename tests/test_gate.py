@@ -206,3 +206,33 @@ def test_modes_that_tie_are_not_swapped_more_than_once_a_retry_interval(gate_cla
     gate = getattr(gate_mod, gate_class)(retry_every=256)
     modes = run_gate(gate, 4, rate_on=50.0, rate_off=50.0, steps=3000)
     assert len(switches(modes)) <= 3000 // 256 + 1
+
+
+def run_requests(gate, lengths, rates, keyed=True):
+    """Batch-1 traffic: request i runs ``lengths[i]`` steps at ``rates[i]`` = (on, off)
+    tokens/s. Returns the modes chosen per request."""
+    modes = []
+    for i, (n, (rate_on, rate_off)) in enumerate(zip(lengths, rates)):
+        mine = []
+        for _ in range(n):
+            on = gate.drafting(1)
+            mine.append(on)
+            gate.observe(1, on, tokens=1, seconds=1 / (rate_on if on else rate_off),
+                         key=i if keyed else None)
+        modes.append(mine)
+    return modes
+
+
+def test_a_trial_on_a_request_that_is_fast_either_way_does_not_turn_drafting_off():
+    """Batch 1, requests alternating: ones that copy their prompt (fast on or off) and
+    ones only the draft makes fast. A trial of plain decoding that falls on a copying
+    request is judged against drafting on that request, not on the last hard one."""
+    lengths, rates = [100] * 15, [(100.0, 100.0), (70.0, 25.0)] * 7 + [(100.0, 100.0)]
+    unpaired = run_requests(DraftGate(), lengths, rates, keyed=False)
+    paired = run_requests(DraftGate(), lengths, rates)
+    hard = lambda modes: [on for m in modes[1::2] for on in m]  # noqa: E731
+    assert sum(hard(unpaired)) / len(hard(unpaired)) < 0.6  # drafting off for long stretches
+    assert sum(hard(paired)) / len(hard(paired)) > 0.9
+    # where plain decoding is faster on every request, the paired verdict finds it too
+    modes = run_requests(DraftGate(), lengths, [(50.0, 100.0)] * 15)
+    assert sum(on for m in modes[3:] for on in m) / sum(lengths[3:]) < 0.15

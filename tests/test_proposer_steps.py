@@ -140,14 +140,16 @@ def test_the_gate_sees_the_tokens_each_step_produced(clock):
     batch = SimpleNamespace(temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])
     p.attach_runner(SimpleNamespace(input_batch=batch))
     seen = []
-    p.gate.observe = lambda b, on, tokens, seconds, sampled: seen.append((b, on, tokens, seconds))
+    p.gate.observe = lambda b, on, tokens, seconds, sampled, key: seen.append(
+        (b, on, tokens, seconds, key))
     ctx = [1, 2]
     for _ in range(3):
         sampled, n, ids = inputs([ctx])
         p.propose(sampled, n, ids)
         clock.now += 0.1
         ctx = ctx + [7, 7, 7]  # three tokens per step (two accepted + one sampled)
-    assert seen == [(1, True, 3, pytest.approx(0.1))] * 2
+    # at batch 1 each sample names its request: the gate pairs a trial with it
+    assert seen == [(1, True, 3, pytest.approx(0.1), "a")] * 2
 
 
 def test_without_the_gate_or_with_a_fixed_budget_every_step_drafts(clock):
@@ -309,8 +311,9 @@ def test_with_the_model_off_a_second_gate_picks_lookups_or_plain_decoding(clock)
     modes = iter([True, False, False])
     p.lookup_gate.drafting = lambda b, sampled: next(modes)
     seen, seen_lookup = [], []
-    p.gate.observe = lambda b, on, tokens, s, sampled: seen.append((on, tokens))
-    p.lookup_gate.observe = lambda b, on, tokens, s, sampled: seen_lookup.append((on, tokens))
+    p.gate.observe = lambda b, on, tokens, s, sampled, key: seen.append((on, tokens))
+    p.lookup_gate.observe = lambda b, on, tokens, s, sampled, key: seen_lookup.append(
+        (on, tokens))
     ctx = [5, 6, 7, 8, 9, 10, 5, 6]  # "5 6" came before, followed by 7 8 9 10
     sampled, n, ids = inputs([ctx])
     assert p.propose(sampled, n, ids) == [[7, 8, 9, 10]]  # lookups on
