@@ -150,7 +150,7 @@ class DraftGate:
         key = best[2]
         r_on, r_off = (paired[(key, m)][0] / paired[(key, m)][1] for m in (True, False))
         # on the same request a tie is no evidence: the mode from before the trial stays
-        return r_on * (1 + self.margin) > r_off if self._mode[b] is False else \
+        return r_on * (1 + self.margin) > r_off if not self._mode[b] else \
             r_on > r_off * (1 + self.margin)
 
     def faster_on(self, b) -> bool:
@@ -172,7 +172,7 @@ class DraftGate:
         if key is not None:
             paired = self._paired.setdefault(b, {})
             if (key, on) not in paired and len(paired) >= 8:  # keep the last few requests'
-                paired.pop(next(iter(paired)))
+                paired.pop(next((k for k in paired if k[0] != key), next(iter(paired))))
             sums = paired.setdefault((key, on), [0.0, 0.0, 0])
             sums[0] += tokens
             sums[1] += seconds
