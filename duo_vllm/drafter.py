@@ -222,7 +222,7 @@ class DuoDrafter:
         served = list(out)
         p_all = {r.row: r.alpha ** len(out[r.row]) for r in rows}
         for r in rows:
-            hint = hints[r.row] if hints is not None and r.row < len(hints) else None
+            hint = _hint(hints, r.row)
             if hint is None or not hint.tokens:
                 continue
             draft, _ = choose(out[r.row], hint.tokens, hint.alpha_model, hint.alpha_lookup,
@@ -287,8 +287,7 @@ class DuoDrafter:
         if not misses:
             return served, ([], 0)
         # a miss with a lookup draft is served that copy if nothing is drafted for it now
-        fallback = [lookup_fallback(hints[r.row] if hints is not None and r.row < len(hints)
-                                    else None) for r in misses]
+        fallback = [lookup_fallback(_hint(hints, r.row)) for r in misses]
         base_tokens = batch + sum(expected_accepted(r.alpha, n) for r, n in zip(hits, served)) \
             + sum(t for t, _ in fallback)
         # without a background thread a new prompt can only be evaluated here: an
@@ -635,6 +634,11 @@ class DuoDrafter:
                     slot.tokens = np.append(slot.tokens, np.int32(br.tokens[-1]))
                 br.tokens.append(int(np.argmax(lg)))
                 left[j] -= 1
+
+
+def _hint(hints: list[Hint | None] | None, row: int) -> Hint | None:
+    """Row ``row``'s lookup hint, if the proposer sent one."""
+    return hints[row] if hints is not None and row < len(hints) else None
 
 
 def lookup_fallback(hint: Hint | None) -> tuple[float, int]:

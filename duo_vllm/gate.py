@@ -177,12 +177,12 @@ class DraftGate:
             sums[0] += tokens
             sums[1] += seconds
             sums[2] += 1
-        key = (b, on)
-        sums = self._sums.setdefault(key, [0.0, 0.0])
+        mode = (b, on)
+        sums = self._sums.setdefault(mode, [0.0, 0.0])
         sums[0] = (1 - self.weight) * sums[0] + tokens
         sums[1] = (1 - self.weight) * sums[1] + seconds
-        self._rate[key] = sums[0] / sums[1]
-        self._seen_at[key] = self._clock.get(b, 0)
+        self._rate[mode] = sums[0] / sums[1]
+        self._seen_at[mode] = self._clock.get(b, 0)
 
     def rates(self) -> dict[str, float]:
         return {f"{1 << b}{'s' if sampled else ''}+{self.labels[0] if on else self.labels[1]}": r
