@@ -24,6 +24,9 @@ Methods (2-core machine: DuoProposer's target on core 0, its draft on core 1):
   duo-serial   DuoProposer, drafting only while vLLM waits
   duo-single   DuoProposer, parallel pre-drafting, one branch
   duo-full     DuoProposer, parallel + multi-sequence + auto budget + context lookup
+  duo-lend     duo-full with the target bound to both cores: it runs on core 1 too
+               while the gate keeps the draft model off (lend_cores), on core 0 alone
+               while the draft drafts on core 1
   duo-nolookup duo-full without lookup drafts (the ablation)
   duo-fullctx  duo-full with the draft seeing whole contexts (no draft_window)
   spec-empty   vLLM's speculative step with empty drafts (benchmarks/oracle.py), target on
@@ -59,6 +62,8 @@ METHODS = {
     "duo-single": dict(bind="0", duo={"parallel": True, "multi_sequence": False}),
     "duo-full": dict(bind="0", duo={"parallel": True, "multi_sequence": True,
                                     "budget": "auto"}),
+    "duo-lend": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
+                                      "budget": "auto"}),
     "duo-nolookup": dict(bind="0", duo={"parallel": True, "multi_sequence": True,
                                         "budget": "auto", "lookup": False}),
     "duo-fullctx": dict(bind="0", duo={"parallel": True, "multi_sequence": True,
@@ -91,7 +96,8 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
           "propose_steps", "propose_total_s",
          "lookup_tokens_served", "lookup_tokens_accepted", "model_tokens_served",
          "model_tokens_accepted", "busy_s", "prefill_tokens", "predraft_tokens", "sync_tokens",
-          "sync_s", "sync_calls", "propose_calls", "lookup_misses")}
+          "sync_s", "sync_calls", "propose_calls", "lookup_misses", "lent_steps",
+          "lend_switches")}
     lengths = {int(n): c - before.get("chosen_lengths", {}).get(n, 0)
                for n, c in after.get("chosen_lengths", {}).items()}
     return {
@@ -115,6 +121,8 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         # drafting on the spot while vLLM waited: calls, and ms per draft-model step
         "sync_calls": d["sync_calls"],
         "lookup_misses": d["lookup_misses"],  # misses served a lookup draft, no wait
+        # steps the target ran on the draft's cores too, and switches (duo-lend)
+        "lent_steps": d["lent_steps"], "lend_switches": d["lend_switches"],
         "sync_ms_per_draft_step": 1e3 * d["sync_s"] / d["propose_calls"] if d["propose_calls"] else None,
         "predraft_hit_rate": d["predraft_hits"] / d["requests"] if d["requests"] else 0.0,
         "branch_hit_rate": (d["predraft_hits"] / d["predraft_lookups"]
@@ -373,7 +381,8 @@ def summarise(results: dict) -> dict:
                     "draft_call_ms_by_width", "verify_token_ms", "target_step_ms_by_batch",
                     "acceptance", "propose_wait_ms", "lock_wait_ms", "actor_propose_ms", "sync_calls",
                     "lookup_misses", "sync_ms_per_draft_step", "gate_plain_steps", "gate_no_draft_steps",
-                    "gate_tokens_per_s", "draft_busy_s", "propose_ms_per_step", "sources", "lookup_rows", "source_alpha")}
+                    "gate_tokens_per_s", "draft_busy_s", "propose_ms_per_step", "sources", "lookup_rows", "source_alpha",
+                    "lent_steps", "lend_switches")}
             if s["temperature"] == 0.0 and key in ref_shapes:
                 mine = [x["token_ids"] for x in rows if x["repeat"] == 0]
                 theirs = [x["token_ids"] for x in ref_shapes[key]["rows"] if x["repeat"] == 0]
@@ -478,7 +487,9 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                          "way; engine averages), drafting on the spot "
                          f"{_f(c.get('sync_ms_per_draft_step'), '{:.1f}')} ms per draft-model step "
                          f"({c.get('sync_calls')} calls; misses served a lookup draft "
-                         f"instead {c.get('lookup_misses')})")
+                         f"instead {c.get('lookup_misses')})"
+                         + (f"; steps on the draft's core too {c['lent_steps']} "
+                            f"({c.get('lend_switches')} switches)" if c.get("lent_steps") else ""))
             src = c.get("sources") or {}
             if src.get("lookup", {}).get("served") or c.get("lookup_rows"):
                 lines.append(f"- {name} sources: " + ", ".join(

@@ -119,6 +119,12 @@ class DuoConfig:
             offer what followed them (free draft tokens, up to vLLM's
             ``num_speculative_tokens``, which may exceed ``max_draft_len``).
             Served where measured acceptance pays for their verification.
+        lend_cores: On vLLM-CPU, where the target's binding
+            (``VLLM_CPU_OMP_THREADS_BIND``) ends with the draft's cores, the
+            target runs on all of them while the gate keeps the draft model
+            off (or the draft side is held or gone), and gives the draft's
+            cores back while it drafts (``duo_vllm/lending.py``). ``False``:
+            the draft shares them as configured.
         draft_gpu_layers: Layers of the draft llama.cpp may offload to a GPU.
             0 (the default) keeps the draft on the CPU and hides the GPUs from
             the draft actor, whatever llama.cpp build is installed: a GPU build
@@ -150,6 +156,7 @@ class DuoConfig:
     draft_gpu_layers: int = 0
     gate: bool = True
     lookup: bool = True
+    lend_cores: bool = True
     lookup_min: int = 2
     lookup_max: int = 8
     vllm_limits: dict[str, Any] | None = None
@@ -185,7 +192,8 @@ class DuoConfig:
             raise DuoConfigError(f"lookup_min and lookup_max must be integers with 1 <= "
                                  f"lookup_min <= lookup_max, got {self.lookup_min!r}, "
                                  f"{self.lookup_max!r}")
-        for name in ("use_actor", "parallel", "multi_sequence", "gate", "lookup"):
+        for name in ("use_actor", "parallel", "multi_sequence", "gate", "lookup",
+                     "lend_cores"):
             if not isinstance(getattr(self, name), bool):
                 raise DuoConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.budget != "auto" and (isinstance(self.budget, bool)
@@ -440,11 +448,14 @@ def parse_json_option(raw: str, source: str) -> dict[str, Any]:
 def target_cores(environ: dict[str, str] | None = None) -> list[int] | None:
     """Cores vLLM's CPU worker binds its OpenMP threads to, if it says.
 
-    Inside the worker vLLM exports ``OMP_PLACES`` (auto binding); a user may
+    Inside the worker vLLM exports ``GOMP_CPU_AFFINITY`` (libgomp, the default),
+    ``KMP_AFFINITY`` (Intel OpenMP) or ``OMP_PLACES`` (auto binding); a user may
     set ``VLLM_CPU_OMP_THREADS_BIND`` explicitly, one list per rank separated
     by ``|`` (all ranks' cores count as taken). ``None`` when neither names
     cores (``auto`` outside the worker, ``nobind``, or unset; GPU vLLM).
     """
+    from .lending import bind_order
+
     environ = os.environ if environ is None else environ
     bind = environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
     places = environ.get("OMP_PLACES", "")
@@ -453,6 +464,9 @@ def target_cores(environ: dict[str, str] | None = None) -> list[int] | None:
             return parse_cpu_list(places)
         except ValueError:
             pass
+    order = bind_order(environ) if "|" not in bind else None
+    if order:  # auto binding, as libgomp or Intel OpenMP got it inside the worker
+        return sorted(set(order))
     if bind not in ("auto", "nobind", "all"):
         try:
             return sorted({c for part in bind.split("|") for c in parse_cpu_list(part)})

@@ -23,6 +23,7 @@ from .client import ActorClient
 from .config import DuoConfig, DuoConfigError, allowed_cpus, resolve_draft_cores, target_cores
 from .delta import DeltaSender
 from .gate import DraftGate, LookupGate
+from .lending import TargetThreads, bind_order, lend_plan
 from .goodput import StepTimeModel
 from .lookup import LOOKUP, MODEL, ContextLookup, Hint, choose
 from .models import ModelNotFoundError, default_draft_gguf
@@ -157,6 +158,8 @@ class DuoProposer:
         others = off_target(allowed_cpus(), target_cores())
         if cfg.use_actor:
             cores = self._draft_cores(cfg)
+            if self._threads is not None:  # the cores the target lends are the others'
+                others = cores
             _check_placement(_ensure_ray(cfg, others), cfg)
             # start-up errors (bad GGUF, bad cores, no node with the resources) surface here
             self._client = ActorClient(
@@ -214,17 +217,32 @@ class DuoProposer:
         self.lookup: ContextLookup | None = None  # drafts copied from the context
         self._sender = DeltaSender()  # each step's contexts as deltas (duo_vllm/delta.py)
         self._sender_actor = 0  # the actor the sender's deltas are against (its restart)
+        # vLLM-CPU, the draft's cores at the end of the target's binding: the target
+        # runs on them while the draft model is off (duo_vllm/lending.py)
+        self._threads: TargetThreads | None = None
 
-    @staticmethod
-    def _draft_cores(cfg: DuoConfig) -> list[int] | None:
+    def _draft_cores(self, cfg: DuoConfig) -> list[int] | None:
         if cfg.resources and cfg.draft_cores is None:
             return None  # placed by resources, maybe on another node: all of that node's CPUs
         cores, shared = resolve_draft_cores(cfg)
-        if shared:
+        plan = None
+        if shared and cfg.lend_cores:
+            import torch
+
+            plan = lend_plan(bind_order(os.environ), cores, torch.get_num_threads())
+        if plan is not None:
+            self._threads = TargetThreads(plan)
+            logger.info("DuoProposer: the target lends CPU(s) %s to the draft: %d OpenMP "
+                        "threads while the draft model is off, %d while it drafts",
+                        cores, *plan)
+        elif shared:
             logger.warning(
                 "DuoProposer: the draft shares CPU(s) %s with the target; vLLM's "
-                "binding leaves none free. Set VLLM_CPU_OMP_THREADS_BIND to fewer "
-                "cores (e.g. 0) or draft_cores to give the draft its own.", cores)
+                "binding leaves none free, and the target cannot lend them (they are "
+                "not the end of its binding, or lend_cores is off). Set "
+                "VLLM_CPU_OMP_THREADS_BIND to fewer cores (e.g. 0) or draft_cores to "
+                "give the draft its own, or to the last cores of the binding to lend them.",
+                cores)
         return cores
 
     def _call(self, name: str, *args):
@@ -261,6 +279,7 @@ class DuoProposer:
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         if self._failed or self._passive or self._held:
+            self._lend(True)
             return drafts
         token_ids = np.asarray(token_ids_cpu)  # a numpy array in vLLM 0.32, or a tensor
         rows, contexts, budgets, lookup_caps = [], [], [], []
@@ -291,6 +310,8 @@ class DuoProposer:
                 self._pause_draft()
             self._lookups_on, self._lookup_trial = self._lookup_mode(len(rows))
         lookups = self._lookups(keys, contexts, lookup_caps, serve=self._lookups_on)
+        gone = self._client is not None and self._client.disabled
+        self._lend(gone or not self._on)
         if not self._on:  # the draft model does not pay at this batch size: no draft work
             return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, None)
         cost = self.step_time.cost(len(rows))
@@ -308,6 +329,11 @@ class DuoProposer:
                       for d, k in zip(result, budgets)]
         # result None: the draft side is slow, restarting or gone (lookups only)
         return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, result, hints)
+
+    def _lend(self, lend: bool) -> None:
+        """The next step runs the target on the draft's cores too (``lend``), or not."""
+        if self._threads is not None:
+            self._threads.use(lend)
 
     def _lookup_mode(self, batch: int) -> tuple[bool, bool]:
         """(serve lookup drafts?, is the step a sample for the lookup gate?) With the draft
@@ -472,10 +498,12 @@ class DuoProposer:
             return
         batch, extra = self._last_step
         sample = now - self._returned_at
+        lent = self._threads is not None and self._threads.lent
         predicted = self.step_time.predict(batch, extra)
         if predicted is not None and sample > 3 * predicted:
             return
-        self.step_time.observe(batch, extra, sample)
+        if not lent:  # T(B, e) is the target's step on its own cores, the one drafting sees
+            self.step_time.observe(batch, extra, sample)
         if produced is not None and started is not None:
             # at batch 1 the gates judge a trial against the other mode on the same request
             key = served[0] if batch == 1 and len(served) == 1 else None
@@ -508,6 +536,8 @@ class DuoProposer:
             "gate_plain_steps": self.gate.plain_steps,  # steps without the draft model
             "gate_no_draft_steps": self.lookup_gate.plain_steps,  # ... nor lookup drafts
             "gate_tokens_per_s": {**self.gate.rates(), **self.lookup_gate.rates()},
+            "lend_switches": self._threads.switches if self._threads else 0,
+            "lent_steps": self._threads.lent_steps if self._threads else 0,
             "target_step_ms_by_batch": {
                 b: 1e3 * self.step_time.cost(b).t0 for b in self.step_time.batch_sizes()},
             **(self.lookup.summary() if self.lookup is not None else {}),

@@ -20,6 +20,7 @@ def test_defaults_are_valid():
     ({"draft_cores": "1"}, "draft_cores"),
     ({"draft_cores": [-2]}, "draft_cores"),
     ({"use_actor": "yes"}, "use_actor"),
+    ({"lend_cores": 1}, "lend_cores"),
     ({"propose_timeout_s": 0}, "propose_timeout_s"),
     ({"propose_timeout_s": "soon"}, "propose_timeout_s"),
     ({"max_restarts": -1}, "max_restarts"),
@@ -86,6 +87,9 @@ def test_target_cores_from_vllm_env():
     assert target_cores({"VLLM_CPU_OMP_THREADS_BIND": "0-2"}) == [0, 1, 2]
     assert target_cores({"VLLM_CPU_OMP_THREADS_BIND": "auto"}) is None
     assert target_cores({}) is None
+    # auto binding inside vLLM's worker: libgomp's or Intel OpenMP's list
+    assert target_cores({"VLLM_CPU_OMP_THREADS_BIND": "auto", "GOMP_CPU_AFFINITY": "1 0"}) == [0, 1]
+    assert target_cores({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[2,3]"}) == [2, 3]
 
 
 def test_default_draft_cores_take_what_vllm_leaves():

@@ -3,7 +3,7 @@
 import pytest
 
 from duo_vllm.cli import speculative_config
-from tests.conftest import run_vllm
+from tests.conftest import E2E_ENV, run_vllm
 
 pytestmark = pytest.mark.e2e
 
@@ -28,7 +28,11 @@ COMBOS = {
     # no draft from the goodput controller (tests/test_goodput.py), except probes
     "serial-multi-auto": ({"parallel": False, "multi_sequence": True, "budget": "auto", **WAIT},
                           True),
+    # the target bound to both cores lends core 1 to the draft while it drafts
+    # (duo_vllm/lending.py): its thread count switches between steps
+    "lend": ({"draft_cores": [1]}, True),
 }
+ENV = {"lend": {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}}
 
 
 LOOKUP_K = {"parallel-multi-auto": 8}
@@ -40,6 +44,7 @@ def test_greedy_output_equals_plain_vllm(combo, session_tmp, target_dir, specben
     duo_cfg, sequential = COMBOS[combo]
     duo = run_vllm(session_tmp, f"duo-{combo}", target=target_dir, prompts=specbench_chat,
                    max_tokens=64, sequential=sequential,
+                   env={**E2E_ENV, **ENV.get(combo, {})},
                    speculative_config=speculative_config(LOOKUP_K.get(combo, 4), duo_cfg))
     assert len(specbench_chat) >= 10
     for i, (want, got) in enumerate(zip(plain_greedy["token_ids"], duo["token_ids"])):
@@ -64,6 +69,10 @@ def test_greedy_output_equals_plain_vllm(combo, session_tmp, target_dir, specben
     assert stats["returned_tokens"] + stats["lookup_tokens_served"] >= m["proposed"], stats
     # per-request state: context tokens are reused, not re-prefilled every step
     assert stats["reused_tokens"] > 5 * stats["prefill_tokens"], stats
+    if combo == "lend":  # started on both cores, gave core 1 to the draft when it drafted
+        assert "lends CPU(s) [1]" in duo["log"], duo["log"][-3000:]
+        assert stats["lend_switches"] >= 1, stats
+        return
     if duo_cfg.get("parallel", True):
         assert stats["predraft_hit_rate"] > 0.3, stats  # drafts served without waiting
         # prompts reach the draft before vLLM prefills them (patches/README.md, 2)

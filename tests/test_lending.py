@@ -1,0 +1,101 @@
+"""Lending the draft's cores to a CPU target (duo_vllm/lending.py): pure decisions, and
+the proposer switching the target's threads with the gate. No vLLM, no model."""
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from duo_vllm.lending import TargetThreads, bind_order, lend_plan
+from tests.test_proposer_steps import FakeWorker, bare, clock, inputs  # noqa: F401
+
+
+def test_bind_order_reads_each_openmp_runtime_in_thread_order():
+    assert bind_order({"GOMP_CPU_AFFINITY": "2 0 1"}) == [2, 0, 1]
+    assert bind_order({"GOMP_CPU_AFFINITY": "0-3"}) == [0, 1, 2, 3]
+    assert bind_order({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[4,5,6]"}) == [4, 5, 6]
+    assert bind_order({"OMP_PLACES": "{3},{1}", "OMP_PROC_BIND": "true"}) == [3, 1]
+    assert bind_order({"VLLM_CPU_OMP_THREADS_BIND": "0-1"}) == [0, 1]
+    # the runtime's own list wins over vLLM's variable (it is what the threads got)
+    assert bind_order({"GOMP_CPU_AFFINITY": "1 0", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}) == [1, 0]
+    for unknown in ({}, {"VLLM_CPU_OMP_THREADS_BIND": "auto"},
+                    {"VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3"}, {"GOMP_CPU_AFFINITY": "x"},
+                    {"OMP_PLACES": "{0,1}"}):  # one place of two cores: threads float
+        assert bind_order(unknown) is None
+
+
+def test_the_draft_cores_can_be_lent_only_as_the_tail_of_the_binding():
+    assert lend_plan([0, 1], [1], 2) == (2, 1)
+    assert lend_plan([0, 1, 2, 3], [2, 3], 4) == (4, 2)
+    assert lend_plan([0, 1, 2, 3], [3, 2], 4) == (4, 2)  # the tail, in any order
+    assert lend_plan([0, 1], [0], 2) is None  # the head: dropping threads frees the tail
+    assert lend_plan([0, 1, 2], [1], 3) is None  # in the middle
+    assert lend_plan([1], [1], 1) is None  # nothing left for the target
+    assert lend_plan([0, 1], [1, 2], 2) is None  # a core the target does not have
+    assert lend_plan([0, 1], [1], 1) is None  # the target runs fewer threads than cores
+    assert lend_plan(None, [1], 2) is None and lend_plan([0, 1], None, 2) is None
+
+
+def test_target_threads_switch_only_on_a_change_and_count_the_lent_steps():
+    calls = []
+    t = TargetThreads((4, 2), setter=calls.append)
+    assert t.lent  # the target starts with its whole binding
+    t.use(True)
+    t.use(False)
+    t.use(False)
+    t.use(True)
+    assert calls == [2, 4] and t.switches == 2 and t.lent_steps == 2
+
+
+def lending(worker, runner_ids=("a",)):
+    p = bare(worker)
+    calls = []
+    p._threads = TargetThreads((2, 1), setter=calls.append)
+    p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
+        temperature_cpu=np.zeros(len(runner_ids), dtype=np.float32), req_ids=list(runner_ids))))
+    return p, calls
+
+
+def test_the_target_gets_the_draft_cores_exactly_while_the_draft_model_is_off(clock):
+    w = FakeWorker()
+    p, calls = lending(w)
+    modes = iter([True, True, False, False, True])
+    p.gate.drafting = lambda b, sampled: next(modes)
+    served = []
+    for _ in range(5):
+        sampled, n, ids = inputs([[1, 2]])
+        served.append(p.propose(sampled, n, ids))
+        clock.now += 0.05
+    assert calls == [1, 2, 1]  # drafting: 1 thread; off: both; drafting again: 1
+    assert len(w.calls) == 3 and served[2] == [[]]  # no draft work while lent
+    p.hold()
+    sampled, n, ids = inputs([[1, 2]])
+    p.propose(sampled, n, ids)
+    assert calls[-1] == 2  # held: plain decoding on every core
+
+
+def test_steps_on_the_lent_cores_are_no_samples_of_the_drafting_step_time(clock):
+    w = FakeWorker(drafts=[[]])
+    p, _ = lending(w)
+    on = {"v": True}
+    p.gate.drafting = lambda b, sampled: on["v"]
+    sampled, n, ids = inputs([[1, 2]])
+    for i in range(20):  # drafting: the target alone on its core, 60 ms a step
+        p.propose(sampled, n, ids)
+        clock.now += 0.060
+    on["v"] = False
+    for i in range(20):  # lent: on both cores, 35 ms a step
+        p.propose(sampled, n, ids)
+        clock.now += 0.035
+    assert abs(p.step_time.cost(1).t0 - 0.060) < 2e-3
+
+
+def test_a_draft_side_that_failed_lends_its_cores_back(clock):
+    class Broken(FakeWorker):
+        def propose(self, *a, **k):
+            raise RuntimeError("draft died")
+
+    p, calls = lending(Broken())
+    sampled, n, ids = inputs([[1, 2]])
+    assert p.propose(sampled, n, ids) == [[]]  # drafting: 1 thread, then the side fails
+    assert p.propose(sampled, n, ids) == [[]]  # plain decoding for good, on both cores
+    assert calls == [1, 2] and p._threads.lent
