@@ -416,7 +416,12 @@ class DuoProposer:
         if self._passive or not self._prefetch or self._failed or self._held:
             return
         if self._gated and self._runner is not None and not self._will_draft(new_reqs, batch):
-            return  # the gate keeps drafting off at the batch size they make: no draft work
+            # the gate keeps drafting off at the batch size they make: no draft work, and
+            # a lending target prefills them on the draft's cores too
+            if self._threads is not None and not self._threads.lent:
+                self._pause_draft()
+                self._lend(True)
+            return
         prompts = [np.asarray(r.prompt_token_ids, dtype=np.int32) for r in new_reqs
                    if getattr(r, "prompt_token_ids", None)]
         prompts = [p for p in prompts if len(p) < self.max_model_len - 1]

@@ -99,3 +99,27 @@ def test_a_draft_side_that_failed_lends_its_cores_back(clock):
     assert p.propose(sampled, n, ids) == [[]]  # drafting: 1 thread, then the side fails
     assert p.propose(sampled, n, ids) == [[]]  # plain decoding for good, on both cores
     assert calls == [1, 2] and p._threads.lent
+
+
+def test_prompts_the_draft_will_not_draft_for_are_prefilled_on_the_lent_cores(clock):
+    class Pausing(FakeWorker):
+        pauses = 0
+
+        def pause(self):
+            self.pauses += 1
+
+        def prefetch(self, prompts):
+            raise AssertionError("no draft work where the gate will not draft")
+
+    w = Pausing()
+    p, calls = lending(w)
+    p._prefetch = True
+    p.gate.drafting = lambda b, sampled: True
+    sampled, n, ids = inputs([[1, 2]])
+    p.propose(sampled, n, ids)  # drafting at batch 1: one thread
+    assert calls == [1]
+    p.gate.mode = lambda b, sampled: b < 4  # off from batch 4 up
+    new = [SimpleNamespace(prompt_token_ids=[1, 2, 3],
+                           sampling_params=SimpleNamespace(temperature=0.0))] * 15
+    p.on_new_requests(new, batch=16)
+    assert calls == [1, 2] and w.pauses == 1  # the prefill of 16 runs on both cores
