@@ -310,8 +310,8 @@ class DuoProposer:
                 self._pause_draft()
             self._lookups_on, self._lookup_trial = self._lookup_mode(len(rows))
         lookups = self._lookups(keys, contexts, lookup_caps, serve=self._lookups_on)
-        gone = self._client is not None and self._client.disabled
-        self._lend(gone or not self._on)
+        if self._threads is not None:  # the draft side gave up for good: lend for good
+            self._lend(not self._on or getattr(self._client, "disabled", False))
         if not self._on:  # the draft model does not pay at this batch size: no draft work
             return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, None)
         cost = self.step_time.cost(len(rows))
