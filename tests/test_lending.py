@@ -5,7 +5,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from duo_vllm.lending import TargetThreads, bind_order, lend_plan
+import torch
+
+from duo_vllm.lending import MatmulPrimitives, TargetThreads, bind_order, lend_plan, onednn_linears
 from tests.test_proposer_steps import FakeWorker, bare, clock, inputs  # noqa: F401
 
 
@@ -44,6 +46,63 @@ def test_target_threads_switch_only_on_a_change_and_count_the_lent_steps():
     t.use(False)
     t.use(True)
     assert calls == [2, 4] and t.switches == 2 and t.lent_steps == 2
+
+
+def test_the_lend_hook_runs_after_each_switch_to_every_thread_and_only_then():
+    events = []
+    t = TargetThreads((2, 1), setter=lambda n: events.append(("threads", n)),
+                      on_lend=lambda: events.append("lend"))
+    for lend in (True, False, False, True, True, False, True):
+        t.use(lend)
+    assert events == [("threads", 1), ("threads", 2), "lend", ("threads", 1),
+                      ("threads", 2), "lend"]
+
+
+class FakeOps:
+    """vLLM's ``_custom_ops`` as the CPU GEMM dispatch calls it: records each call's
+    handler and input (rows, row stride)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def onednn_mm(self, handler, x, bias):
+        self.calls.append((handler.name, tuple(x.shape), x.stride(0), bias))
+        return torch.zeros(x.shape[0], handler.n, dtype=x.dtype)
+
+
+def onednn_layer(ops, name, n, k, dtype=torch.float32):
+    """A linear layer as vLLM-CPU's dispatch leaves it (the weight may be emptied)."""
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+    handler = SimpleNamespace(name=name, n=n, k=k)
+    layer.cpu_linear = lambda x, weight, bias: ops.onednn_mm(handler, x, bias)
+    return layer
+
+
+def test_the_matmul_caches_are_emptied_once_per_weight_shape_with_strides_no_layer_uses():
+    ops = FakeOps()
+    model = torch.nn.ModuleList([
+        onednn_layer(ops, "q0", 960, 576), onednn_layer(ops, "o0", 576, 576),
+        onednn_layer(ops, "q1", 960, 576),  # the same shape as q0: the same cache
+        onednn_layer(ops, "bf", 960, 576, torch.bfloat16),  # another dtype: another cache
+        torch.nn.Linear(4, 4)])  # not a oneDNN layer
+    model[4].cpu_linear = torch.nn.functional.linear
+    assert [k for _, k, _ in onednn_linears(model)] == [576, 576, 576]
+    prims = MatmulPrimitives(model, capacity=4)
+    prims.refresh()
+    assert prims.refreshes == 1
+    by_handler = {}
+    for name, shape, stride, bias in ops.calls:
+        assert shape == (2, 576) and bias is None  # two rows: one would drop its stride
+        by_handler.setdefault(name, []).append(stride)
+    assert sorted(by_handler) == ["bf", "o0", "q0"]
+    for strides in by_handler.values():
+        # 2 x capacity distinct row strides, none a layer's own (576): the first half
+        # are new again at the next refresh, so every older entry goes
+        assert strides == [576 + s for s in range(1, 9)]
+    ops.calls.clear()
+    prims.refresh()
+    assert len(ops.calls) == 3 * 8
 
 
 def lending(worker, runner_ids=("a",)):
@@ -123,3 +182,23 @@ def test_prompts_the_draft_will_not_draft_for_are_prefilled_on_the_lent_cores(cl
                            sampling_params=SimpleNamespace(temperature=0.0))] * 15
     p.on_new_requests(new, batch=16)
     assert calls == [1, 2] and w.pauses == 1  # the prefill of 16 runs on both cores
+
+
+def test_a_lending_proposer_remakes_the_targets_matmuls_at_each_lend_and_stops_if_that_fails(
+        caplog):
+    ops = FakeOps()
+    p, calls = lending(FakeWorker())
+    p.load_model(torch.nn.ModuleList([onednn_layer(ops, "q", 960, 576)]))
+    p._lend(False)
+    p._lend(True)
+    assert calls == [1, 2] and p.stats()["matmul_remakes"] == 1 and ops.calls
+    # vLLM's internals moved under us: the step goes on, the remaking stops, and says so
+    ops.onednn_mm = None
+    p._lend(False)
+    p._lend(True)
+    assert calls == [1, 2, 1, 2] and p._threads.on_lend is None
+    assert "remaking the target's oneDNN matmuls failed" in caplog.text
+    # a proposer that does not lend never touches the target model
+    q = bare(FakeWorker())
+    q.load_model(torch.nn.ModuleList([onednn_layer(FakeOps(), "q", 960, 576)]))
+    assert q._primitives is None and q.stats()["matmul_remakes"] == 0
