@@ -71,10 +71,15 @@ def test_greedy_output_equals_plain_vllm(combo, session_tmp, target_dir, specben
     assert stats["reused_tokens"] > 5 * stats["prefill_tokens"], stats
     if combo == "lend":  # started on both cores, gave core 1 to the draft when it drafted
         assert "lends CPU(s) [1]" in duo["log"], duo["log"][-3000:]
-        # the real model's oneDNN layers were found, to be remade at each lend
-        assert "oneDNN matmuls (5 weight shapes) are remade" in duo["log"], duo["log"][-3000:]
+        # the real model's oneDNN layers were found, to be remade at each lend (where
+        # this vLLM build runs linear layers through oneDNN)
+        from vllm import _custom_ops
+
+        if getattr(_custom_ops, "_supports_onednn", False):
+            assert "oneDNN matmuls (5 weight shapes) are remade" in duo["log"], \
+                duo["log"][-3000:]
+            assert stats["matmul_remakes"] == stats["lend_switches"] // 2, stats  # each lend
         assert stats["lend_switches"] >= 1, stats
-        assert stats["matmul_remakes"] == stats["lend_switches"] // 2, stats  # at each lend
         return
     if duo_cfg.get("parallel", True):
         assert stats["predraft_hit_rate"] > 0.3, stats  # drafts served without waiting
