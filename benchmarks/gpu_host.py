@@ -9,7 +9,8 @@ installed (the lent GPU machines):
   beside a busy CUDA process (bf16 matrix products in a loop, its host thread
   pinned to a core of its own, as vLLM's target process is);
 - the round trip of one width-1 draft call to a pinned draft process, over a
-  pipe (Ray is not there), idle and busy: what a step pays beyond the call.
+  pipe, and (``--ray N``, with Ray carried there) through a Ray actor, idle
+  and busy: what a step pays beyond the call.
 
 The default draft (98 MB) cannot travel to such a host, so ``--skeleton`` makes
 a draft with its architecture, metadata and tensor shapes and random weights
@@ -143,29 +144,69 @@ def decode_by_width(model: str, cores: list[int], repeats: int, context: int = 2
     return out
 
 
+class Decoder:
+    """The draft pinned to ``cores`` after a 256-token context: ``step`` runs one
+    width-1 decode call and returns its seconds."""
+
+    def __init__(self, model: str, cores: list[int]):
+        from duo_vllm.actor import pin_process
+        from duo_vllm.backends.llama_cpp import LlamaCppBackend
+
+        pin_process(cores)
+        self.be = LlamaCppBackend(model, n_ctx=2048, n_seq=1, n_threads=len(cores))
+        self.prompt = np.arange(100, 356, dtype=np.int32)
+        self.be.decode([(0, self.prompt, 0)])
+        self.pos = len(self.prompt)
+
+    def ready(self) -> bool:
+        return True
+
+    def step(self, token: int) -> float:
+        t0 = time.perf_counter()
+        self.be.decode([(0, np.array([token], dtype=np.int32), self.pos)])
+        self.pos += 1
+        if self.pos > 2000:
+            self.be.remove(0, len(self.prompt), -1)
+            self.pos = len(self.prompt)
+        return time.perf_counter() - t0
+
+
 def _worker(model: str, cores: list[int], conn) -> None:
     """A pinned draft process: answers each request with one width-1 decode call."""
-    from duo_vllm.actor import pin_process
-    from duo_vllm.backends.llama_cpp import LlamaCppBackend
-
-    pin_process(cores)
-    be = LlamaCppBackend(model, n_ctx=2048, n_seq=1, n_threads=len(cores))
-    prompt = np.arange(100, 356, dtype=np.int32)
-    be.decode([(0, prompt, 0)])
+    d = Decoder(model, cores)
     conn.send("ready")
-    pos = len(prompt)
     while True:
         msg = conn.recv()
         if msg is None:
             break
+        conn.send(d.step(msg))
+    d.be.close()
+
+
+def _timed(call, repeats: int) -> dict:
+    trips, calls = [], []
+    for i in range(repeats):
         t0 = time.perf_counter()
-        be.decode([(0, np.array([msg], dtype=np.int32), pos)])
-        pos += 1
-        if pos > 2000:
-            be.remove(0, len(prompt), -1)
-            pos = len(prompt)
-        conn.send(time.perf_counter() - t0)
-    be.close()
+        calls.append(call(100 + i % 1000))
+        trips.append(time.perf_counter() - t0)
+    return {"round_trip_ms": 1e3 * statistics.median(trips),
+            "call_ms": 1e3 * statistics.median(calls),
+            "overhead_ms": 1e3 * statistics.median(t - c for t, c in zip(trips, calls))}
+
+
+def ray_round_trip(model: str, cores: list[int], caller_core: int, repeats: int) -> dict:
+    """The same call through a Ray actor (a private local Ray, as DuoProposer's default)."""
+    import ray
+
+    ray.init(address="local", include_dashboard=False, log_to_driver=False,
+             num_cpus=len(cores) + 1)
+    try:
+        actor = ray.remote(num_cpus=0)(Decoder).remote(model, cores)
+        ray.get(actor.ready.remote())
+        os.sched_setaffinity(0, [caller_core])
+        return _timed(lambda tok: ray.get(actor.step.remote(tok)), repeats)
+    finally:
+        ray.shutdown()
 
 
 def round_trip(model: str, cores: list[int], caller_core: int, repeats: int) -> dict:
@@ -175,17 +216,15 @@ def round_trip(model: str, cores: list[int], caller_core: int, repeats: int) -> 
     p.start()
     assert here.recv() == "ready"
     os.sched_setaffinity(0, [caller_core])
-    trips, calls = [], []
-    for i in range(repeats):
-        t0 = time.perf_counter()
-        here.send(100 + i % 1000)
-        calls.append(here.recv())
-        trips.append(time.perf_counter() - t0)
+
+    def call(tok):
+        here.send(tok)
+        return here.recv()
+
+    out = _timed(call, repeats)
     here.send(None)
     p.join(10)
-    return {"round_trip_ms": 1e3 * statistics.median(trips),
-            "call_ms": 1e3 * statistics.median(calls),
-            "overhead_ms": 1e3 * statistics.median(t - c for t, c in zip(trips, calls))}
+    return out
 
 
 def _has_cuda() -> bool:
@@ -231,6 +270,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cores", type=int, nargs="+", default=[1, 2, 4],
                     help="draft core counts to measure (the last CPUs of the host)")
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--ray", type=int, default=0, metavar="N",
+                    help="also through a Ray actor pinned to the last N CPUs")
     ap.add_argument("--busy-first", action="store_true",
                     help="measure beside the busy CUDA process first (order effects)")
     ap.add_argument("--out", default="benchmarks/results/gpu-host")
@@ -279,6 +320,11 @@ def main(argv=None) -> int:
             trip = round_trip(model, cpus[-1:], caller_core, 4 * args.repeats)
             res["round_trip"][label] = trip
             print(label, "round trip:", {k: round(v, 3) for k, v in trip.items()}, flush=True)
+            if args.ray:
+                trip = ray_round_trip(model, cpus[-args.ray:], caller_core, 4 * args.repeats)
+                res["round_trip"][f"{label}, ray, {args.ray} core(s)"] = trip
+                print(label, "ray round trip:", {k: round(v, 3) for k, v in trip.items()},
+                      flush=True)
         finally:
             if load is not None:
                 load.terminate()
