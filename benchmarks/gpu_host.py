@@ -203,8 +203,8 @@ def ray_round_trip(model: str, cores: list[int], caller_core: int, repeats: int)
     try:
         actor = ray.remote(num_cpus=0)(Decoder).remote(model, cores)
         ray.get(actor.ready.remote())
-        os.sched_setaffinity(0, [caller_core])
-        return _timed(lambda tok: ray.get(actor.step.remote(tok)), repeats)
+        with _pinned_to(caller_core):  # Ray's daemons stay unpinned
+            return _timed(lambda tok: ray.get(actor.step.remote(tok)), repeats)
     finally:
         ray.shutdown()
 
@@ -215,16 +215,29 @@ def round_trip(model: str, cores: list[int], caller_core: int, repeats: int) -> 
     p = ctx.Process(target=_worker, args=(model, cores, there), daemon=True)
     p.start()
     assert here.recv() == "ready"
-    os.sched_setaffinity(0, [caller_core])
-
     def call(tok):
         here.send(tok)
         return here.recv()
 
-    out = _timed(call, repeats)
+    with _pinned_to(caller_core):
+        out = _timed(call, repeats)
     here.send(None)
     p.join(10)
     return out
+
+
+class _pinned_to:
+    """The calling process on ``core`` for the block, its CPUs as before after it."""
+
+    def __init__(self, core: int):
+        self.core = core
+
+    def __enter__(self):
+        self.before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, [self.core])
+
+    def __exit__(self, *exc):
+        os.sched_setaffinity(0, self.before)
 
 
 def _has_cuda() -> bool:
@@ -276,6 +289,10 @@ def main(argv=None) -> int:
                     help="measure beside the busy CUDA process first (order effects)")
     ap.add_argument("--out", default="benchmarks/results/gpu-host")
     args = ap.parse_args(argv)
+    if not (args.write_skeleton or args.skeleton or args.draft):
+        ap.error("give --draft GGUF or --skeleton FILE (or --write-skeleton OUT)")
+    if not args.write_skeleton and len(os.sched_getaffinity(0)) < 3:
+        ap.error("needs 3 CPUs or more: the GPU load, the caller and the draft each get one")
     if args.write_skeleton:
         from duo_vllm.models import default_draft_gguf
 
@@ -290,7 +307,7 @@ def main(argv=None) -> int:
 
         import tempfile
 
-        work = tempfile.mkdtemp(prefix="duo-gpu-host-")
+        work = tempfile.mkdtemp(prefix="duo-gpu-host-")  # removed with the draft, below
         f16 = os.path.join(work, "draft-random-f16.gguf")
         t0 = time.perf_counter()
         draft_from_skeleton(args.skeleton, f16)
@@ -306,7 +323,7 @@ def main(argv=None) -> int:
     order = ((True, False) if args.busy_first else (False, True)) if gpu else (False,)
     res["order"] = ["gpu_busy" if b else "gpu_idle" for b in order]
     for busy in order:
-        load = start_gpu_load(load_core, 600) if busy else None
+        load = start_gpu_load(load_core, 3600) if busy else None  # stopped below
         label = "gpu_busy" if busy else "gpu_idle"
         try:
             for n in args.cores:
@@ -330,8 +347,9 @@ def main(argv=None) -> int:
                 load.terminate()
     with open(os.path.join(args.out, "results.json"), "w") as fh:
         json.dump(res, fh, indent=1)
-    if model and args.draft is None:
+    if args.draft is None:
         os.remove(model)
+        os.rmdir(os.path.dirname(model))
     return 0
 
 

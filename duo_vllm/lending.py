@@ -141,7 +141,8 @@ class MatmulPrimitives:
     The caches key a shape by its rows, row stride and bias, not by threads;
     ``2 * capacity`` two-row inputs, each with a row stride no layer uses, evict
     every older entry (the first ``capacity`` are new each time: the last ones
-    pushed them out the time before). About 50 us each.
+    pushed them out the time before). About 50 us each. Not the int8 layers
+    (``onednn_scaled_mm``: their cache keys no row stride).
     """
 
     def __init__(self, model, capacity: int = ONEDNN_CACHE):
@@ -153,10 +154,14 @@ class MatmulPrimitives:
         self.refreshes = 0
 
     def refresh(self) -> None:
+        """At a lend, after the switch to every thread (counted in ``refreshes``)."""
+        self.evict()
+        self.refreshes += 1
+
+    def evict(self) -> None:
         torch = self._torch
         with torch.inference_mode():
             for linear, k, dtype in self.linears:
                 buf = torch.zeros(2 * (k + 2 * self.capacity), dtype=dtype)
                 for s in range(1, 2 * self.capacity + 1):
                     linear(buf.as_strided((2, k), (k + s, 1)), None, None)
-        self.refreshes += 1

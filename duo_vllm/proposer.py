@@ -595,6 +595,12 @@ class DuoProposer:
             return
         try:
             primitives = MatmulPrimitives(model)
+            if primitives.linears and onednn_acl():
+                # oneDNN on Arm's ACL re-packs the weights for each new input layout
+                logger.info("DuoProposer: vLLM's oneDNN runs on Arm's ACL: its matmuls are "
+                            "not remade at a lend")
+                return
+            primitives.evict()  # oneDNN's first build of the evicting shapes: at start-up
         except Exception as e:  # vLLM's internals moved: lent steps may run slower
             logger.warning("DuoProposer: cannot reach the target's oneDNN matmuls (%s); "
                            "steps on lent cores may not use them", e)
@@ -606,12 +612,22 @@ class DuoProposer:
                         "remade for every thread at each lend", len(primitives.linears))
 
     def _remake_primitives(self) -> None:
+        t0 = time.perf_counter()
         try:
             self._primitives.refresh()
         except Exception as e:  # never the step's failure: lent steps may be slower
             self._threads.on_lend = None
             logger.warning("DuoProposer: remaking the target's oneDNN matmuls failed (%s); "
                            "no longer tried", e)
+        if self._started_at is not None:  # not the next step's time, for the gates
+            self._started_at += time.perf_counter() - t0
+
+
+def onednn_acl() -> bool:
+    """Does vLLM run its oneDNN matmuls on Arm's Compute Library?"""
+    from vllm import _custom_ops
+
+    return bool(getattr(_custom_ops, "is_onednn_acl_supported", lambda: False)())
 
 
 def valid_prefix(draft, vocab_size: int) -> list[int]:

@@ -5,9 +5,14 @@ from types import SimpleNamespace
 
 import numpy as np
 
+import inspect
+from collections import OrderedDict
+
+import pytest
 import torch
 
-from duo_vllm.lending import MatmulPrimitives, TargetThreads, bind_order, lend_plan, onednn_linears
+from duo_vllm.lending import (ONEDNN_CACHE, MatmulPrimitives, TargetThreads, bind_order,
+                              lend_plan, onednn_linears)
 from tests.test_proposer_steps import FakeWorker, bare, clock, inputs  # noqa: F401
 
 
@@ -59,15 +64,31 @@ def test_the_lend_hook_runs_after_each_switch_to_every_thread_and_only_then():
 
 
 class FakeOps:
-    """vLLM's ``_custom_ops`` as the CPU GEMM dispatch calls it: records each call's
-    handler and input (rows, row stride)."""
+    """vLLM's ``_custom_ops`` as the CPU GEMM dispatch calls it, with the C++ handler's
+    cache as vLLM-CPU has it: per weight shape (n, k, dtype) an LRU of ``capacity``
+    primitives keyed by (rows, row stride after ``reshape``, bias?), each made for the
+    thread count of its first call (``threads``)."""
 
-    def __init__(self):
+    def __init__(self, capacity=32):
+        self.capacity, self.threads = capacity, 1
+        self.caches = {}  # (n, k, dtype) -> OrderedDict key -> threads it was made for
         self.calls = []
 
     def onednn_mm(self, handler, x, bias):
+        x2 = x.reshape(-1, handler.k)  # as vllm._custom_ops.onednn_mm does
+        key = (x2.shape[0], x2.stride(0), bias is not None)
+        cache = self.caches.setdefault((handler.n, handler.k, x.dtype), OrderedDict())
+        if key in cache:
+            cache.move_to_end(key)
+        else:
+            cache[key] = self.threads
+            while len(cache) > self.capacity:
+                cache.popitem(last=False)
         self.calls.append((handler.name, tuple(x.shape), x.stride(0), bias))
-        return torch.zeros(x.shape[0], handler.n, dtype=x.dtype)
+        return torch.zeros(x2.shape[0], handler.n, dtype=x.dtype)
+
+    def made_for(self):
+        return {t for cache in self.caches.values() for t in cache.values()}
 
 
 def onednn_layer(ops, name, n, k, dtype=torch.float32):
@@ -79,8 +100,8 @@ def onednn_layer(ops, name, n, k, dtype=torch.float32):
     return layer
 
 
-def test_the_matmul_caches_are_emptied_once_per_weight_shape_with_strides_no_layer_uses():
-    ops = FakeOps()
+def test_a_refresh_leaves_no_primitive_made_for_fewer_threads():
+    ops = FakeOps(capacity=4)
     model = torch.nn.ModuleList([
         onednn_layer(ops, "q0", 960, 576), onednn_layer(ops, "o0", 576, 576),
         onednn_layer(ops, "q1", 960, 576),  # the same shape as q0: the same cache
@@ -89,20 +110,45 @@ def test_the_matmul_caches_are_emptied_once_per_weight_shape_with_strides_no_lay
     model[4].cpu_linear = torch.nn.functional.linear
     assert [k for _, k, _ in onednn_linears(model)] == [576, 576, 576]
     prims = MatmulPrimitives(model, capacity=4)
-    prims.refresh()
-    assert prims.refreshes == 1
-    by_handler = {}
-    for name, shape, stride, bias in ops.calls:
-        assert shape == (2, 576) and bias is None  # two rows: one would drop its stride
-        by_handler.setdefault(name, []).append(stride)
-    assert sorted(by_handler) == ["bf", "o0", "q0"]
-    for strides in by_handler.values():
-        # 2 x capacity distinct row strides, none a layer's own (576): the first half
-        # are new again at the next refresh, so every older entry goes
-        assert strides == [576 + s for s in range(1, 9)]
-    ops.calls.clear()
-    prims.refresh()
-    assert len(ops.calls) == 3 * 8
+    bias = torch.zeros(960)
+    for lend_back in range(2):
+        ops.threads = 1  # drafting: the target's steps make primitives for one thread
+        for layer in model[:4]:
+            for rows in (1, 3, 5):
+                x = torch.zeros(rows, 576, dtype=layer.weight.dtype)
+                layer.cpu_linear(x, None, None)
+                layer.cpu_linear(x, None, bias.to(x.dtype))
+            # an input whose row stride is one the refresh uses
+            layer.cpu_linear(torch.zeros(2, 577, dtype=layer.weight.dtype)[:, :576], None, None)
+        assert 1 in ops.made_for()
+        ops.threads = 2  # lent: every thread, then the refresh
+        prims.refresh()
+        assert ops.made_for() == {2}, ops.caches
+        assert prims.refreshes == lend_back + 1
+    # one pass per weight shape: the layers of a shape share its cache
+    assert {name for name, *_ in ops.calls[-3 * 8:]} == {"q0", "o0", "bf"}
+
+
+def test_one_row_inputs_would_not_evict_them():
+    """Why the refresh uses two rows: reshape drops a one-row input's stride."""
+    ops = FakeOps(capacity=4)
+    layer = onednn_layer(ops, "q", 960, 576)
+    layer.cpu_linear(torch.zeros(1, 576), None, None)  # made for 1 thread
+    ops.threads = 2
+    buf = torch.zeros(576 + 8)
+    for s in range(1, 9):
+        layer.cpu_linear(buf.as_strided((1, 576), (576 + s, 1)), None, None)
+    # all eight hit the first call's key: the primitive made for one thread survives
+    assert ops.made_for() == {1} and len(ops.caches[(960, 576, torch.float32)]) == 1
+
+
+def test_the_eviction_matches_vllms_primitive_cache_size():
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers import utils
+
+    source = inspect.getsource(utils.dispatch_cpu_unquantized_gemm)
+    assert f"create_onednn_mm(origin_weight.t(), {ONEDNN_CACHE})" in source
+    assert "ops.onednn_mm(handler, x, bias)" in source  # what onednn_linears looks for
 
 
 def lending(worker, runner_ids=("a",)):
@@ -192,6 +238,7 @@ def test_a_lending_proposer_remakes_the_targets_matmuls_at_each_lend_and_stops_i
     p._lend(False)
     p._lend(True)
     assert calls == [1, 2] and p.stats()["matmul_remakes"] == 1 and ops.calls
+    assert ops.made_for() == {1}  # the eviction at load (FakeOps makes for 1 thread)
     # vLLM's internals moved under us: the step goes on, the remaking stops, and says so
     ops.onednn_mm = None
     p._lend(False)
@@ -202,3 +249,20 @@ def test_a_lending_proposer_remakes_the_targets_matmuls_at_each_lend_and_stops_i
     q = bare(FakeWorker())
     q.load_model(torch.nn.ModuleList([onednn_layer(FakeOps(), "q", 960, 576)]))
     assert q._primitives is None and q.stats()["matmul_remakes"] == 0
+
+
+def test_the_remake_is_no_part_of_the_next_steps_time_for_the_gates(clock):
+    ops = FakeOps()
+    p, _ = lending(FakeWorker())
+    p.load_model(torch.nn.ModuleList([onednn_layer(ops, "q", 960, 576)]))
+    real = p._primitives.refresh
+
+    def slow_refresh():  # 7 ms of remaking, on the proposer's clock
+        real()
+        clock.now += 0.007
+
+    p._primitives.refresh = slow_refresh
+    p._lend(False)
+    clock.now, p._started_at = 1.0, 1.0  # the step under way started at 1.0
+    p._lend(True)
+    assert clock.now == pytest.approx(1.007) and p._started_at == pytest.approx(1.007)
