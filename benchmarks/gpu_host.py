@@ -115,33 +115,13 @@ def _pinned(core, fn, *args):
     fn(*args)
 
 
-def decode_by_width(model: str, cores: list[int], repeats: int, context: int = 256) -> dict:
-    from duo_vllm.actor import pin_process
-    from duo_vllm.backends.llama_cpp import LlamaCppBackend
+def decode_by_width(model: str, cores: list[int], repeats: int) -> dict:
+    """ms per decode call by width (``WIDTHS``), as ``benchmarks.profile_draft`` measures
+    it: pinned to ``cores``, after a 256-token context."""
+    from benchmarks.profile_draft import profile
 
-    pin_process(cores)
-    n_seq = max(WIDTHS)
-    be = LlamaCppBackend(model, n_ctx=n_seq * (context + repeats + 8), n_seq=n_seq,
-                         n_threads=len(cores))
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(100, be.n_vocab - 100, size=context).astype(np.int32)
-    be.decode([(0, prompt, 0)])
-    for s in range(1, n_seq):
-        be.copy(0, s, 0, -1)
-    out = {}
-    for width in WIDTHS:
-        times = []
-        for r in range(repeats):
-            items = [(s, np.array([int(prompt[r % context])], dtype=np.int32), context + r)
-                     for s in range(width)]
-            t0 = time.perf_counter()
-            be.decode(items)
-            times.append(time.perf_counter() - t0)
-        for s in range(width):
-            be.remove(s, context, -1)
-        out[width] = 1e3 * statistics.median(times)
-    be.close()
-    return out
+    decode = profile(model, cores, repeats)["decode"]
+    return {w: decode[w]["ms_per_call"] for w in WIDTHS}
 
 
 class Decoder:
