@@ -97,7 +97,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
          "lookup_tokens_served", "lookup_tokens_accepted", "model_tokens_served",
          "model_tokens_accepted", "busy_s", "prefill_tokens", "predraft_tokens", "sync_tokens",
           "sync_s", "sync_calls", "propose_calls", "lookup_misses", "lent_steps",
-          "lend_switches")}
+          "lend_switches", "matmul_remakes")}
     lengths = {int(n): c - before.get("chosen_lengths", {}).get(n, 0)
                for n, c in after.get("chosen_lengths", {}).items()}
     return {
@@ -105,6 +105,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         "gate_plain_steps": d["gate_plain_steps"],
         "gate_no_draft_steps": d["gate_no_draft_steps"],
         "gate_tokens_per_s": after.get("gate_tokens_per_s"),
+        "gate_log": after.get("gate_log"),
         "no_slot": d["no_slot"], "probes": d["probes"],
         "sources": {src: {"served": d[f"{src}_tokens_served"],
                           "accepted": d[f"{src}_tokens_accepted"]} for src in ("lookup", "model")},
@@ -123,6 +124,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         "lookup_misses": d["lookup_misses"],  # misses served a lookup draft, no wait
         # steps the target ran on the draft's cores too, and switches (duo-lend)
         "lent_steps": d["lent_steps"], "lend_switches": d["lend_switches"],
+        "matmul_remakes": d["matmul_remakes"],
         "sync_ms_per_draft_step": 1e3 * d["sync_s"] / d["propose_calls"] if d["propose_calls"] else None,
         "predraft_hit_rate": d["predraft_hits"] / d["requests"] if d["requests"] else 0.0,
         "branch_hit_rate": (d["predraft_hits"] / d["predraft_lookups"]
@@ -382,7 +384,7 @@ def summarise(results: dict) -> dict:
                     "acceptance", "propose_wait_ms", "lock_wait_ms", "actor_propose_ms", "sync_calls",
                     "lookup_misses", "sync_ms_per_draft_step", "gate_plain_steps", "gate_no_draft_steps",
                     "gate_tokens_per_s", "draft_busy_s", "propose_ms_per_step", "sources", "lookup_rows", "source_alpha",
-                    "lent_steps", "lend_switches")}
+                    "lent_steps", "lend_switches", "matmul_remakes", "gate_log")}
             if s["temperature"] == 0.0 and key in ref_shapes:
                 mine = [x["token_ids"] for x in rows if x["repeat"] == 0]
                 theirs = [x["token_ids"] for x in ref_shapes[key]["rows"] if x["repeat"] == 0]
@@ -489,7 +491,8 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                          f"({c.get('sync_calls')} calls; misses served a lookup draft "
                          f"instead {c.get('lookup_misses')})"
                          + (f"; steps on the draft's core too {c['lent_steps']} "
-                            f"({c.get('lend_switches')} switches)" if c.get("lent_steps") else ""))
+                            f"({c.get('lend_switches')} switches, oneDNN matmuls remade "
+                            f"{c.get('matmul_remakes')} times)" if c.get("lent_steps") else ""))
             src = c.get("sources") or {}
             if src.get("lookup", {}).get("served") or c.get("lookup_rows"):
                 lines.append(f"- {name} sources: " + ", ".join(

@@ -65,6 +65,7 @@ class ActorClient:
         self.timeouts = 0  # propose() calls that returned no draft because the actor was slow
         self.disabled = False  # gave up: plain decoding for good
         self._pending = None  # a propose() call that missed its bound, still in flight
+        self._paused_behind = None  # the late call a pause() was queued behind
         self._starting = None  # info() of a replacement actor, not answered yet
         self._retry_at: float | None = None  # when to ask again for a replacement
         self._answer_s: float | None = None  # usual answer time (EMA)
@@ -137,10 +138,16 @@ class ActorClient:
 
     def pause(self) -> bool:
         """Tell the actor the gate turned drafting off (it drops its background work);
-        never waits. Skipped, like :meth:`prefetch`, while the actor is stalled,
-        restarting or gone."""
-        if not self.healthy or self._pending is not None:
+        never waits. Skipped while the actor is unhealthy (stalled, restarting or
+        gone). Unlike :meth:`prefetch` it is queued behind a late call, once: the
+        actor drops its work when that call ends, instead of pre-drafting for steps
+        that no longer ask (with lending, on the core the target now uses)."""
+        if not self.healthy:
             return False
+        if self._pending is not None:
+            if self._paused_behind is self._pending:  # already queued behind this call
+                return False
+            self._paused_behind = self._pending
         try:
             self.actor.pause.remote()
         except Exception:  # the actor is gone: the next propose() finds out and recovers
@@ -168,7 +175,7 @@ class ActorClient:
                                   "(bound %.0f ms); steps decode without a draft until it does",
                                   late, 1e3 * bound)
             return False
-        self._pending = None
+        self._pending = self._paused_behind = None
         try:
             self._ray.get(ref)
         except Exception as e:
@@ -202,7 +209,7 @@ class ActorClient:
             self._log.error("DuoProposer: the draft actor failed after %d restart(s); plain "
                             "decoding from now on", self.restarts)
             return
-        self._pending, self._stall_warned = None, False
+        self._pending, self._paused_behind, self._stall_warned = None, None, False
         dead = getattr(self.actor, "_actor_id", None)
         try:  # a dead named actor keeps its name until killed explicitly
             self._ray.kill(self.actor, no_restart=True)

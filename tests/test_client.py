@@ -103,19 +103,22 @@ def test_a_killed_actor_is_replaced_and_drafting_resumes(ray_local, caplog):
     assert client.restarts == 1 and len(created) == 2 and client.info["pid"] != pid
 
 
-def test_prefetch_and_pause_never_wait_and_are_skipped_while_the_actor_is_late(ray_local):
+def test_prefetch_never_waits_nor_queues_behind_a_late_call_and_pause_queues_once(ray_local):
     client, _ = make_client(ray_local, timeout=0.2)
     assert client.prefetch([[1, 2, 3], [4]])  # handed over, in order before the next call
     assert client.pause()  # the gate turned drafting off
     assert client.propose([[1, 2, 3]], [1], 0.05) == [[3]]
     assert client.call("get_prefetched") == [3, 1, "paused"]
     client.call("set_delay", 0.6)
+    t0 = time.perf_counter()
     assert client.propose([[1]], [1], 0.05) is None  # late: still in flight
     assert not client.prefetch([[9]])  # not queued behind a late call
-    assert not client.pause()
+    assert client.pause()  # queued: the actor drops its work once the late call ends
+    assert not client.pause()  # ... once
+    assert time.perf_counter() - t0 < 0.5  # neither waited for the late call
     client.submit("set_delay", 0.0)
     propose_until(client, want=True)
-    assert client.call("get_prefetched") == [3, 1, "paused"]
+    assert client.call("get_prefetched") == [3, 1, "paused", "paused"]
 
 
 def test_a_stalled_actor_costs_one_bounded_wait(ray_local, caplog):
