@@ -39,20 +39,14 @@ class DraftGate:
     same request where both ran at least ``paired_steps`` steps on it. At
     batch 1 one request follows another, and a trial that fell on a request
     that copies its prompt (fast in any mode) must not beat drafting measured
-    on a harder one. Phases within a request mislead too (the draft still
-    prefilling a long prompt, an answer that starts repeating itself: lookups
-    fly in either mode), so the pairs of the last ``pooled_pairs`` trials are
-    pooled (tokens over seconds per mode), and a switch takes two pairs. Where a trial ends before any request ran in both modes,
-    the mode from before it runs again, on the trial's last request, for as
-    long as a trial, to pair the two; with no pair still, that mode stays
-    (from the next trial without a pair on, the recent rates decide).
+    on a harder one.
     """
 
     labels = ("on", "off")  # the two modes' names in :meth:`rates`
 
     def __init__(self, trial_steps: int = 32, warmup_steps: int = 8, retry_every: int = 256,
                  margin: float = 0.02, weight: float = 0.05, reach: int | None = 2,
-                 paired_steps: int = 8, pooled_pairs: int = 4):
+                 paired_steps: int = 8):
         self.reach = reach  # buckets up that a win carries to a new bucket (None: any)
         self.trial_steps, self.warmup_steps = trial_steps, warmup_steps
         self.retry_every, self.margin, self.weight = retry_every, margin, weight
@@ -64,10 +58,6 @@ class DraftGate:
         self._clock: dict = {}  # bucket -> steps seen
         self._lost: dict = {}  # (bucket, mode) -> its retries in a row that lost
         self._trying: dict = {}  # bucket -> the mode under a retry's trial
-        self._pairing: set = set()  # buckets back in the mode before a trial, for a pair
-        self._unpaired: dict = {}  # bucket -> its last trial found no request to pair on
-        self.pooled_pairs = pooled_pairs
-        self._pairs: dict = {}  # bucket -> the last pairs' [tok on, s on, tok off, s off]
         self.paired_steps = paired_steps
         self._paired: dict = {}  # bucket -> {(key, on): [tokens, seconds, steps]}
         self.plain_steps = 0  # steps the gate left to plain decoding
@@ -90,13 +80,7 @@ class DraftGate:
             self._mode[b] = self.first_mode(b)
         on = self._mode[b]
         run = self._run[b] = self._run.get(b, 0) + 1
-        if b in self._pairing:  # back in the mode from before a trial, to pair the two
-            on = self._verdict(b, final=run > self.trial_steps + (self.warmup_steps if on else 0))
-            if on is None:
-                on = self._mode[b]
-            else:
-                self._end_trial(b, on)
-        elif run > self.trial_steps + (self.warmup_steps if on else 0):
+        if run > self.trial_steps + (self.warmup_steps if on else 0):
             other = (b, not on)
             if other in self._rate:
                 due = self._clock[b] - self._seen_at[other] > self._retry(b)
@@ -110,34 +94,23 @@ class DraftGate:
                 for k in [k for k in paired if k[1] == on]:
                     del paired[k]
             elif b in self._trying:  # the end of a trial: judge; between trials, keep the mode
-                verdict = self._verdict(b, final=False)
-                if verdict is None:  # no request ran in both modes yet: the one before the
-                    self._pairing.add(b)  # trial runs on the trial's last request again
-                    on = not self._trying[b]
-                    self._note(b, on, "pairing")
-                else:
-                    on = verdict
-                    self._end_trial(b, on)
-        if on != self._mode[b]:
-            self._mode[b], self._run[b] = on, 0
-            if b in self._trying and b not in self._pairing:
-                self._note(b, on, "trial")
+                on = self._verdict(b)
+                self._note(b, on, self._judged_by)
+                if self._trying.pop(b) == self._mode[b]:
+                    # the end of a retried mode's trial: did it lose (again)?
+                    lost = (b, self._mode[b])
+                    self._lost[lost] = self._lost.get(lost, 0) + 1 if on != self._mode[b] else 0
+            if on != self._mode[b]:
+                self._mode[b], self._run[b] = on, 0
+                if due:
+                    self._note(b, on, "trial")
         if not on:
             self.plain_steps += 1
         return on
 
-    def _end_trial(self, b, on: bool) -> None:
-        """A trial's verdict: drafting ``on``. Did the mode tried lose (again)?"""
-        self._note(b, on, self._judged_by)
-        tried = self._trying.pop(b)
-        self._pairing.discard(b)
-        if self._judged_by[0] != "unpaired":  # no evidence: neither a loss nor a win
-            self._lost[(b, tried)] = self._lost.get((b, tried), 0) + 1 if on != tried else 0
-
     def trying(self, batch: int, sampled: bool = False) -> bool:
-        """Is a retried mode on trial at this batch size, or the mode before it back to be
-        paired with it (the steps measure one mode, so nothing else should change
-        meanwhile)?"""
+        """Is a retried mode on trial at this batch size (its steps are measured as that
+        mode's, so nothing else should change meanwhile)?"""
         return self.bucket(batch, sampled) in self._trying
 
     def mode(self, batch: int, sampled: bool = False) -> bool:
@@ -172,63 +145,37 @@ class DraftGate:
             return 4 * self.retry_every
         return self.retry_every
 
-    def _verdict(self, b, final: bool = True) -> bool | None:
+    def _verdict(self, b) -> bool:
         """The end of a trial: the faster mode on the request both modes ran on longest,
-        where there is one (paired; pooled with the last trials' pairs), else over the
-        modes' recent steps.
-
-        Where the steps carry requests (batch 1) a request can run four times as fast
-        as the next, so the modes' rates over different requests say little. Without
-        a request that ran ``paired_steps`` in both modes: None (wait for one) until
-        ``final``; then the mode from before the trial stays the first time, and the
-        rates decide from the next trial without a pair on, until a pair is found
-        (requests too short to pair)."""
-        paired = self._paired.get(b, {})
+        where there is one (paired), else over the modes' recent steps."""
+        paired = self._paired.pop(b, {})
         both = [(min(paired[(k, True)][2], paired[(k, False)][2]), i, k)
                 for i, (k, on) in enumerate(paired) if on and (k, False) in paired]
         best = max(both, default=None)
         if best is None or best[0] < self.paired_steps:
-            if paired and not final:
-                return None
-            self._paired.pop(b, None)
-            if paired and not self._unpaired.get(b):
-                self._unpaired[b] = True
-                self._judged_by = ("unpaired",)
-                return not self._trying[b]
             self._judged_by = ("rates", self._rate.get((b, True)), self._rate.get((b, False)))
             return self.faster_on(b)
-        self._unpaired[b] = False
-        self._paired.pop(b, None)
         key = best[2]
-        pairs = self._pairs.setdefault(b, deque(maxlen=self.pooled_pairs))
-        pairs.append([paired[(key, m)][i] for m in (True, False) for i in (0, 1)])
-        r_on, r_off = (sum(p[i] for p in pairs) / sum(p[i + 1] for p in pairs) for i in (0, 2))
+        r_on, r_off = (paired[(key, m)][0] / paired[(key, m)][1] for m in (True, False))
         self._judged_by = ("paired", r_on, r_off)
-        if len(pairs) < 2:  # one request's phases can mislead: a switch takes two pairs
-            return not self._trying[b]
-        return self._faster(b, r_on, r_off)
-
-    def _faster(self, b, r_on: float, r_off: float, keep_tried: bool = False) -> bool:
-        """Drafting on? Within ``margin`` the mode from before the trial stays (on one
-        request a tie is no evidence), or with ``keep_tried`` the mode tried (a tie over
-        the recent steps: no switch back before the next retry)."""
-        kept = self._trying[b] if b in self._trying else self._mode[b]
-        kept = kept if keep_tried else not kept
-        return r_on * (1 + self.margin) > r_off if kept else r_on > r_off * (1 + self.margin)
+        # on the same request a tie is no evidence: the mode from before the trial stays
+        return r_on * (1 + self.margin) > r_off if not self._mode[b] else \
+            r_on > r_off * (1 + self.margin)
 
     def _note(self, b, on: bool, how) -> None:
-        """Log a trial or a verdict: (bucket's step, bucket, mode, how it was decided)."""
+        """Log a trial or a verdict: (bucket's step, bucket, mode, how, the rates)."""
         size, sampled = b
-        label = f"{1 << size}{'s' if sampled else ''}"
         how, *rates = how if isinstance(how, tuple) else (how,)
-        self.log.append((self._clock.get(b, 0), label, self.labels[0 if on else 1], how,
-                         *(round(r, 1) for r in rates if r is not None)))
+        self.log.append((self._clock.get(b, 0), f"{1 << size}{'s' if sampled else ''}",
+                         self.labels[0 if on else 1], how,
+                         *(None if r is None else round(r, 1) for r in rates)))
 
     def faster_on(self, b) -> bool:
         r_on, r_off = self._rate.get((b, True)), self._rate.get((b, False))
         if r_on is None or r_off is None:
             return r_on is not None or r_off is None
-        return self._faster(b, r_on, r_off, keep_tried=True)
+        return r_on > r_off * (1 + self.margin) if not self._mode[b] else \
+            r_on * (1 + self.margin) > r_off
 
     def observe(self, batch: int, on: bool, tokens: int, seconds: float,
                 sampled: bool = False, key=None) -> None:
