@@ -542,7 +542,7 @@ class DuoProposer:
             "gate_plain_steps": self.gate.plain_steps,  # steps without the draft model
             "gate_no_draft_steps": self.lookup_gate.plain_steps,  # ... nor lookup drafts
             "gate_tokens_per_s": {**self.gate.rates(), **self.lookup_gate.rates()},
-            # the gates' last mode changes: (bucket's step, batch bucket, mode, how, rates)
+            # the gates' last trials and verdicts: (bucket's step, bucket, mode, how, rates)
             "gate_log": [list(x) for x in self.gate.log] + [list(x) for x in self.lookup_gate.log],
             "lend_switches": self._threads.switches if self._threads else 0,
             "lent_steps": self._threads.lent_steps if self._threads else 0,
