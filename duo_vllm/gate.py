@@ -61,7 +61,6 @@ class DraftGate:
         self.paired_steps = paired_steps
         self._paired: dict = {}  # bucket -> {(key, on): [tokens, seconds, steps]}
         self.plain_steps = 0  # steps the gate left to plain decoding
-        self._judged_by = ("rates",)  # how the last verdict was reached, for the log
         self.log: deque = deque(maxlen=32)  # the last trials and verdicts, for stats
 
     @staticmethod
@@ -95,7 +94,6 @@ class DraftGate:
                     del paired[k]
             elif b in self._trying:  # the end of a trial: judge; between trials, keep the mode
                 on = self._verdict(b)
-                self._note(b, on, self._judged_by)
                 if self._trying.pop(b) == self._mode[b]:
                     # the end of a retried mode's trial: did it lose (again)?
                     lost = (b, self._mode[b])
@@ -153,19 +151,20 @@ class DraftGate:
                 for i, (k, on) in enumerate(paired) if on and (k, False) in paired]
         best = max(both, default=None)
         if best is None or best[0] < self.paired_steps:
-            self._judged_by = ("rates", self._rate.get((b, True)), self._rate.get((b, False)))
-            return self.faster_on(b)
+            on = self.faster_on(b)
+            self._note(b, on, "rates", self._rate.get((b, True)), self._rate.get((b, False)))
+            return on
         key = best[2]
         r_on, r_off = (paired[(key, m)][0] / paired[(key, m)][1] for m in (True, False))
-        self._judged_by = ("paired", r_on, r_off)
         # on the same request a tie is no evidence: the mode from before the trial stays
-        return r_on * (1 + self.margin) > r_off if not self._mode[b] else \
+        on = r_on * (1 + self.margin) > r_off if not self._mode[b] else \
             r_on > r_off * (1 + self.margin)
+        self._note(b, on, "paired", r_on, r_off)
+        return on
 
-    def _note(self, b, on: bool, how) -> None:
+    def _note(self, b, on: bool, how: str, *rates) -> None:
         """Log a trial or a verdict: (bucket's step, bucket, mode, how, the rates)."""
         size, sampled = b
-        how, *rates = how if isinstance(how, tuple) else (how,)
         self.log.append((self._clock.get(b, 0), f"{1 << size}{'s' if sampled else ''}",
                          self.labels[0 if on else 1], how,
                          *(None if r is None else round(r, 1) for r in rates)))

@@ -543,7 +543,7 @@ class DuoProposer:
             "gate_no_draft_steps": self.lookup_gate.plain_steps,  # ... nor lookup drafts
             "gate_tokens_per_s": {**self.gate.rates(), **self.lookup_gate.rates()},
             # the gates' last trials and verdicts: (bucket's step, bucket, mode, how, rates)
-            "gate_log": [list(x) for x in self.gate.log] + [list(x) for x in self.lookup_gate.log],
+            "gate_log": [list(x) for g in (self.gate, self.lookup_gate) for x in g.log],
             "lend_switches": self._threads.switches if self._threads else 0,
             "lent_steps": self._threads.lent_steps if self._threads else 0,
             "matmul_remakes": self._primitives.refreshes if self._primitives else 0,
