@@ -80,12 +80,13 @@ def _cmd_prepare(args) -> int:
 def _cmd_generate(args) -> int:
     from .models import prepare_default_target
 
-    set_cpu_defaults(args.target_cores)
+    duo = json.loads(args.duo_config) if args.duo_config else None
+    if cpu_platform():
+        set_cpu_defaults(args.target_cores or default_target_cores(duo))
     if not args.verbose:  # stdout: the answers and the summary; vLLM's warnings on stderr
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     target = args.target or prepare_default_target(log=lambda m: print(m, file=sys.stderr))
-    duo = json.loads(args.duo_config) if args.duo_config else None
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=target, max_model_len=args.max_model_len, seed=0, dtype=args.dtype,
@@ -116,11 +117,9 @@ def _cmd_generate(args) -> int:
           f"({(accepted / proposed if proposed else 0):.0%}), "
           f"{(1 + accepted / drafts) if drafts else float('nan'):.2f} tokens per target step "
           f"with a draft ({drafts} such steps)")
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        print(f"--- target on CPU(s) {os.environ['VLLM_CPU_OMP_THREADS_BIND']}, "
-              "draft on the others")
+    if cpu_platform():
+        print(f"--- target bound to CPU(s) {os.environ['VLLM_CPU_OMP_THREADS_BIND']}; the "
+              "draft's cores, and whether the target lends them, are in DuoProposer's log")
     return 0
 
 
@@ -135,20 +134,46 @@ machine's core split. Any flag not listed below goes to vLLM's server as is
 MODEL (or --model) is the target; default: the default target (`duo-vllm
 prepare`), served in float32 unless --dtype says otherwise.
 
-Unless already set, the environment gets VLLM_CPU_OMP_THREADS_BIND (see
---target-cores), VLLM_CPU_KVCACHE_SPACE=1 (GiB of KV cache) and
+Unless already set, the environment gets, on vLLM-CPU, VLLM_CPU_OMP_THREADS_BIND
+(see --target-cores) and VLLM_CPU_KVCACHE_SPACE=1 (GiB of KV cache), and
 PROMETHEUS_MULTIPROC_DIR (a fresh temporary directory, removed on exit): with
 it, the draft statistics appear as duo:* metrics on the server's /metrics
 (duo_vllm/metrics.py).
 """
 
 
-def default_target_cores() -> str:
-    """The target's cores: every CPU but the last, which the draft gets (one CPU: shared)."""
-    from .config import allowed_cpus
+def default_target_cores(duo: dict | None = None, environ: dict | None = None) -> str:
+    """The target's CPUs on vLLM-CPU when the user names none (``duo``: DuoProposer's
+    options, merged with ``$DUO_VLLM_CONFIG`` of ``environ`` as DuoProposer will).
 
+    Every CPU: the draft shares the last one, and the target lends it back while
+    the gate keeps the draft model off (``lend_cores``, the default; measured: it
+    never fell below plain vLLM on the draft-free cores, where a draft core of its
+    own lost at batch 16). With ``lend_cores`` off, every CPU but the last, which
+    the draft keeps; with ``draft_cores``, every CPU but those. One CPU: shared.
+    """
+    from .config import EXTRA_CONFIG_KEY, DuoConfig, allowed_cpus
+
+    cfg = DuoConfig.from_sources({EXTRA_CONFIG_KEY: duo or {}}, environ)
     cpus = allowed_cpus()
-    return ",".join(str(c) for c in (cpus[:-1] if len(cpus) > 1 else cpus))
+    if cfg.draft_cores:
+        keep = [c for c in cpus if c not in set(cfg.draft_cores)]
+    elif cfg.lend_cores:
+        keep = cpus
+    else:
+        keep = cpus[:-1]
+    return ",".join(str(c) for c in (keep or cpus))
+
+
+def cpu_platform() -> bool:
+    """Is the installed vLLM the CPU build (the binding variable means nothing to GPU vLLM,
+    and there it would make DuoProposer think the target took those cores)?"""
+    try:
+        from vllm.platforms import current_platform
+
+        return current_platform.is_cpu()
+    except Exception:
+        return False
 
 
 # duo-vllm serve's default: lookups copied from the context may fill SERVE_K tokens a step,
@@ -169,9 +194,10 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="DuoProposer options as a JSON object, or @file.json "
                         "(e.g. '{\"draft_cores\": [3], \"n_ctx\": 4096}'; README, Configuration)")
     p.add_argument("--target-cores", metavar="CPUS",
-                   help="the target's CPUs, as VLLM_CPU_OMP_THREADS_BIND (default: that "
-                        "variable if set, else every CPU but the last); the draft takes the "
-                        "CPUs left")
+                   help="vLLM-CPU: the target's CPUs, as VLLM_CPU_OMP_THREADS_BIND "
+                        "(default: that variable if set, else every CPU, the last of which "
+                        "the target lends to the draft while it drafts; see lend_cores). "
+                        "The draft takes the CPUs left, or shares the last")
     p.add_argument("--dry-run", action="store_true",
                    help="print the environment and command, start nothing")
     return p
@@ -192,15 +218,16 @@ def _server_module() -> str:
     return "vllm.entrypoints.openai.api_server"
 
 
-def build_serve_command(argv: list[str], environ: dict | None = None,
-                        default_model=None) -> tuple[list[str], dict, argparse.Namespace]:
+def build_serve_command(argv: list[str], environ: dict | None = None, default_model=None,
+                        on_cpu=None) -> tuple[list[str], dict, argparse.Namespace]:
     """(command, environment, our options) for ``duo-vllm serve argv``; starts nothing.
 
     ``$DUO_VLLM_CONFIG``, if set, is named in ``VLLM_RAY_EXTRA_ENV_VARS_TO_COPY``
     so that vLLM's Ray executors forward it (:func:`duo_vllm.config.forward_to_ray_workers`).
 
     ``default_model``: a callable giving the target when none is named (default:
-    :func:`duo_vllm.models.prepare_default_target`).
+    :func:`duo_vllm.models.prepare_default_target`). ``on_cpu``: a callable, is vLLM the
+    CPU build (default: :func:`cpu_platform`); only there is the target bound to CPUs.
     """
     parser = serve_parser()
     model, rest = (argv[0], argv[1:]) if argv and not argv[0].startswith("-") else (None, argv)
@@ -227,8 +254,15 @@ def build_serve_command(argv: list[str], environ: dict | None = None,
     env = dict(os.environ if environ is None else environ)
     if args.target_cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.target_cores
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", default_target_cores())
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if (on_cpu or cpu_platform)():
+        if "VLLM_CPU_OMP_THREADS_BIND" not in env:
+            from .config import DuoConfigError
+
+            try:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = default_target_cores(duo, env)
+            except DuoConfigError as e:  # $DUO_VLLM_CONFIG's options
+                parser.error(str(e))
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from .config import forward_to_ray_workers
 
     env = forward_to_ray_workers(env)  # $DUO_VLLM_CONFIG under vLLM's legacy Ray executor
@@ -362,8 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-model-len", type=int, default=2048)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--target-cores", default="0",
-                     help="VLLM_CPU_OMP_THREADS_BIND for the target, unless already set")
+    gen.add_argument("--target-cores",
+                     help="VLLM_CPU_OMP_THREADS_BIND for the target, unless already set "
+                          "(default: as duo-vllm serve's)")
     gen.add_argument("--duo-config", help="DuoProposer options as a JSON object")
     gen.add_argument("--dtype", default="float32",
                      help="target dtype; the default target is a float32 checkpoint")

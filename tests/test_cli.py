@@ -11,9 +11,10 @@ def _spec(cmd):
     return json.loads(cmd[cmd.index("--speculative-config") + 1])
 
 
-def _build(argv, environ=None):
+def _build(argv, environ=None, on_cpu=True):
     return cli.build_serve_command(argv, environ={} if environ is None else environ,
-                                   default_model=lambda: "/cache/target")
+                                   default_model=lambda: "/cache/target",
+                                   on_cpu=lambda: on_cpu)
 
 
 def test_default_model_core_split_and_speculative_config(monkeypatch):
@@ -29,8 +30,33 @@ def test_default_model_core_split_and_speculative_config(monkeypatch):
     assert _spec(cmd)["num_speculative_tokens"] == 4
     assert _spec(cmd)["draft_load_config"]["model_loader_extra_config"]["duo"] == {
         "lookup": False}
-    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2"  # the draft gets CPU 3
+    # the target binds every CPU and lends the last, which the draft shares, back to it
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2,3"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_default_core_split_follows_the_lending_and_draft_core_options(monkeypatch):
+    monkeypatch.setattr("duo_vllm.config.allowed_cpus", lambda: [0, 1, 2, 3])
+
+    def bind(argv, environ=None):
+        return _build(argv, environ)[1]["VLLM_CPU_OMP_THREADS_BIND"]
+
+    assert bind(["--duo", '{"lend_cores": false}']) == "0,1,2"  # the draft keeps CPU 3
+    assert bind([], {"DUO_VLLM_CONFIG": '{"lend_cores": false}'}) == "0,1,2"
+    assert bind(["--duo", '{"lend_cores": true}'], {"DUO_VLLM_CONFIG": '{"lend_cores": false}'}) \
+        == "0,1,2,3"  # --duo wins over the environment, as in DuoProposer
+    assert bind(["--duo", '{"draft_cores": [1]}']) == "0,2,3"
+    with pytest.raises(SystemExit):  # a bad $DUO_VLLM_CONFIG fails before vLLM starts
+        bind([], {"DUO_VLLM_CONFIG": '{"lend_cores": "maybe"}'})
+
+
+def test_gpu_vllm_gets_no_cpu_binding(monkeypatch):
+    """GPU vLLM ignores the binding, but DuoProposer would read it as the target's cores."""
+    monkeypatch.setattr("duo_vllm.config.allowed_cpus", lambda: [0, 1, 2, 3])
+    _, env, _ = _build([], on_cpu=False)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env and "VLLM_CPU_KVCACHE_SPACE" not in env
+    _, env, _ = _build(["--target-cores", "0-1"], on_cpu=False)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"  # asked for: passed on
 
 
 def test_model_options_and_unknown_flags_pass_through():

@@ -13,7 +13,7 @@ class FakeLlamaCpp:
     """Just enough of llama_cpp's C API for LlamaCppBackend.__init__; records the params."""
 
     def __init__(self):
-        self.model_params = None
+        self.model_params = self.context_params = None
 
     def llama_log_callback(self, fn):
         return fn
@@ -41,9 +41,10 @@ class FakeLlamaCpp:
         return 8192
 
     def llama_context_default_params(self):
-        return SimpleNamespace()
+        return SimpleNamespace(op_offload=True)  # llama.cpp's default
 
     def llama_init_from_model(self, model, params):
+        self.context_params = params
         return object()
 
     def llama_get_memory(self, ctx):
@@ -74,6 +75,9 @@ def test_the_draft_is_not_offloaded_unless_asked(monkeypatch, tmp_path, layers, 
     backend_mod.LlamaCppBackend(str(model), n_ctx=64, n_seq=1, n_threads=1,
                                 n_gpu_layers=layers)
     assert fake.model_params.n_gpu_layers == want
+    # with no layers on the GPU, prefill batches stay off it too (llama.cpp's op offload:
+    # 3x slower than the CPU beside a busy target, benchmarks/README.md)
+    assert fake.context_params.op_offload == (layers != 0)
 
 
 def test_the_actor_hides_the_gpus_unless_the_draft_may_use_them():

@@ -134,6 +134,8 @@ class LlamaCppBackend:
         cparams.n_threads_batch = n_threads
         cparams.kv_unified = True
         cparams.no_perf = True
+        if hasattr(cparams, "op_offload"):  # a GPU build would run prefill batches on the
+            cparams.op_offload = n_gpu_layers != 0  # GPU even with no layers there
         self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise RuntimeError(f"llama.cpp could not create a context for {model_path!r} "
