@@ -33,6 +33,10 @@ class DraftGate:
     pay a trial at each new batch size where drafting is unlikely to pay).
     Modes change only at the end of a trial: a dip between trials (the steps while the draft prefills
     a new long prompt, say) does not turn drafting off until the next trial.
+    A trial the traffic leaves (its batch size not seen again within
+    ``abandon_after`` trial lengths of steps, as batch 16 drains to batch 8-15 in
+    a few dozen steps) is abandoned: its bucket goes back to the mode before it
+    and waits a retry interval, rather than keep the mode on trial for good.
 
     Steps that carry a ``key`` (the proposer passes the request at batch 1)
     are also summed per key: a trial is judged against the other mode on the
@@ -46,8 +50,12 @@ class DraftGate:
 
     def __init__(self, trial_steps: int = 32, warmup_steps: int = 8, retry_every: int = 256,
                  margin: float = 0.02, weight: float = 0.05, reach: int | None = 2,
-                 paired_steps: int = 8):
+                 paired_steps: int = 8, abandon_after: int = 4):
         self.reach = reach  # buckets up that a win carries to a new bucket (None: any)
+        self.abandon_after = abandon_after  # trial lengths of steps, of any batch size
+        self._steps = 0  # steps seen, all buckets
+        self._trial_at: dict = {}  # bucket -> self._steps when its trial began
+        self._abandoned_at: dict = {}  # bucket -> its step when its last trial was abandoned
         self.trial_steps, self.warmup_steps = trial_steps, warmup_steps
         self.retry_every, self.margin, self.weight = retry_every, margin, weight
         self._sums: dict = {}  # (bucket, on) -> [tokens, seconds], decayed
@@ -75,8 +83,12 @@ class DraftGate:
         """
         b = self.bucket(batch, sampled)
         self._clock[b] = self._clock.get(b, 0) + 1
+        self._steps += 1
         if b not in self._mode:
             self._mode[b] = self.first_mode(b)
+        if b in self._trying and self._steps - self._trial_at[b] > \
+                self.abandon_after * (self.trial_steps + self.warmup_steps):
+            self._abandon(b)
         on = self._mode[b]
         run = self._run[b] = self._run.get(b, 0) + 1
         if run > self.trial_steps + (self.warmup_steps if on else 0):
@@ -85,9 +97,13 @@ class DraftGate:
                 due = self._clock[b] - self._seen_at[other] > self._retry(b)
             else:  # never measured here: now, unless drafting is unlikely to pay here
                 due = not (other[1] and not self.first_mode(b)) or self._clock[b] > self._retry(b)
+            if due and b in self._abandoned_at and \
+                    self._clock[b] - self._abandoned_at[b] <= self._retry(b):
+                due = False  # a trial was abandoned here lately
             if due:
                 on = not on  # try the other mode (again), measured afresh
                 self._trying[b] = on
+                self._trial_at[b] = self._steps
                 self._sums.pop(other, None)
                 paired = self._paired.get(b, {})
                 for k in [k for k in paired if k[1] == on]:
@@ -105,6 +121,14 @@ class DraftGate:
         if not on:
             self.plain_steps += 1
         return on
+
+    def _abandon(self, b) -> None:
+        """The traffic left bucket ``b`` during its trial: back to the mode before it."""
+        before = not self._trying.pop(b)
+        self._mode[b], self._run[b] = before, 0
+        self._paired.pop(b, None)
+        self._abandoned_at[b] = self._clock[b]
+        self._note(b, before, "abandoned")
 
     def trying(self, batch: int, sampled: bool = False) -> bool:
         """Is a retried mode on trial at this batch size (its steps are measured as that

@@ -246,3 +246,24 @@ def test_the_log_keeps_each_trial_and_verdict_with_how_it_was_reached():
     gate = DraftGate()
     run_requests(gate, [100] * 3, [(40.0, 20.0)] * 3)
     assert ("1", "on", "paired", 40.0, 20.0) in [x[1:] for x in gate.log]
+
+
+
+def test_a_trial_the_traffic_leaves_is_abandoned():
+    """Batch 16 drains to 8-15 within a few dozen steps: a trial of drafting begun there
+    must not leave batch 16 drafting for good, to be met again at the next burst."""
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    run_gate(gate, 1, rate_on=40.0, rate_off=20.0, steps=60)  # batch 1 drafts
+    # batch 16 starts plain, and tries drafting after a retry interval ...
+    modes = run_gate(gate, 16, rate_on=150.0, rate_off=200.0, steps=105)
+    assert not any(modes[:100]) and all(modes[-3:])
+    run_gate(gate, 8, rate_on=120.0, rate_off=180.0, steps=100)  # ... as the batch drains
+    modes = run_gate(gate, 16, rate_on=150.0, rate_off=200.0, steps=100)  # the next burst
+    assert not any(modes)  # back to plain decoding, and no new trial for a retry interval
+    assert ("16", "off", "abandoned") in [x[1:4] for x in gate.log]
+    # a trial that the traffic keeps coming back to is judged as before
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    for _ in range(10):
+        run_gate(gate, 16, rate_on=150.0, rate_off=200.0, steps=4)
+        run_gate(gate, 8, rate_on=120.0, rate_off=180.0, steps=4)
+    assert ("16", "off", "rates", 150.0, 200.0) in [x[1:] for x in gate.log]
