@@ -147,9 +147,9 @@ def default_target_cores(duo: dict | None = None, environ: dict | None = None) -
     options, merged with ``$DUO_VLLM_CONFIG`` of ``environ`` as DuoProposer will).
 
     Every CPU: the draft shares the last one, and the target lends it back while
-    the gate keeps the draft model off (``lend_cores``, the default; measured at or
-    above plain vLLM on the draft-free cores in every shape, where a draft core of
-    its own lost at batch 16; benchmarks/README.md). With ``lend_cores`` off, every
+    the gate keeps the draft model off (``lend_cores``, the default; measured: it
+    fell below plain vLLM on the draft-free cores less often than a draft core of
+    its own, which loses at batch 16; benchmarks/README.md). With ``lend_cores`` off, every
     CPU but the last, which the draft keeps; with ``draft_cores``, every CPU but
     those. One CPU: shared.
     """
