@@ -45,9 +45,7 @@ mkdir -p "$OUT"
 REPO=$PWD
 W=/tmp/duo-target
 rm -rf "$W" && mkdir -p "$W"
-LOG=$OUT/log.txt
-T0=$(date +%s)
-log() { echo "[$(date +%T) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
+. benchmarks/gpu_draft_setup.sh
 
 log "start"
 { nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -55,39 +53,9 @@ log "start"
   python3 -c 'import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__)'
 } >> "$LOG" 2>&1
 
-tar xzf .cuda/llama.cpp.tar.gz -C "$W" || { log "untar failed"; exit 1; }
-log "untarred"
-
-( PYTHONPATH="$REPO/.cuda/py:$REPO" python3 -c "
-import time; t=time.time()
-from benchmarks.gpu_host import draft_from_skeleton
-draft_from_skeleton('.cuda/skel.json.gz', '$W/draft-f16.gguf')
-print('draft f16 made in %.1f s' % (time.time()-t))" ) >> "$LOG" 2>&1 &
-DRAFT_PID=$!
-
-GEN="-G Ninja"; command -v ninja >/dev/null || GEN=""
-B=$W/build
-cmake -S "$W/llama.cpp" -B "$B" $GEN -DGGML_CUDA=OFF -DGGML_NATIVE=ON -DGGML_CCACHE=OFF \
-  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-  -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DCMAKE_BUILD_TYPE=Release \
-  > "$OUT/build.txt" 2>&1 || { log "configure failed"; tail -30 "$OUT/build.txt"; exit 1; }
-log "build start"
-TB=$(date +%s)
-timeout 150 cmake --build "$B" -j16 --target llama-batched-bench llama-quantize >> "$OUT/build.txt" 2>&1
-RC=$?
-log "build end rc=$RC after $(( $(date +%s) - TB )) s"
-BIN=$B/bin
-[ -x "$BIN/llama-batched-bench" ] || { log "no llama-batched-bench"; tail -40 "$OUT/build.txt"; exit 1; }
-
-wait $DRAFT_PID
-MODEL=$W/draft-q8_0.gguf
-if [ -x "$BIN/llama-quantize" ]; then
-  "$BIN/llama-quantize" "$W/draft-f16.gguf" "$MODEL" Q8_0 8 > "$W/quantize.txt" 2>&1 \
-    || { tail -20 "$W/quantize.txt" >> "$LOG"; MODEL=$W/draft-f16.gguf; }
-else
-  MODEL=$W/draft-f16.gguf
-fi
-log "model: $MODEL ($(du -m "$MODEL" | cut -f1) MB)"
+unpack_and_start_draft
+build_llama 150 -DGGML_CUDA=OFF
+quantize_draft
 
 cat > "$W/target.py" <<'EOF'
 import json, os, re, signal, statistics, subprocess, sys, time
