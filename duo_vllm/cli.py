@@ -81,7 +81,8 @@ def _cmd_generate(args) -> int:
     from .models import prepare_default_target
 
     duo = json.loads(args.duo_config) if args.duo_config else None
-    if cpu_platform():
+    on_cpu = cpu_platform()
+    if on_cpu:
         set_cpu_defaults(args.target_cores or default_target_cores(duo))
     if not args.verbose:  # stdout: the answers and the summary; vLLM's warnings on stderr
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -117,7 +118,7 @@ def _cmd_generate(args) -> int:
           f"({(accepted / proposed if proposed else 0):.0%}), "
           f"{(1 + accepted / drafts) if drafts else float('nan'):.2f} tokens per target step "
           f"with a draft ({drafts} such steps)")
-    if cpu_platform():
+    if on_cpu:
         print(f"--- target bound to CPU(s) {os.environ['VLLM_CPU_OMP_THREADS_BIND']}; the "
               "draft's cores, and whether the target lends them, are in DuoProposer's log")
     return 0

@@ -248,7 +248,6 @@ def test_the_log_keeps_each_trial_and_verdict_with_how_it_was_reached():
     assert ("1", "on", "paired", 40.0, 20.0) in [x[1:] for x in gate.log]
 
 
-
 def test_a_trial_the_traffic_leaves_is_abandoned():
     """Batch 16 drains to 8-15 within a few dozen steps: a trial of drafting begun there
     must not leave batch 16 drafting for good, to be met again at the next burst."""
