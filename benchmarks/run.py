@@ -28,6 +28,8 @@ Methods (2-core machine: DuoProposer's target on core 0, its draft on core 1):
                while the gate keeps the draft model off (lend_cores), on core 0 alone
                while the draft drafts on core 1
   duo-nolookup duo-full without lookup drafts (the ablation)
+  duo-argmax   duo-lend drafting the argmax for sampled requests too (no sampled_drafts:
+               the ablation)
   duo-fullctx  duo-full with the draft seeing whole contexts (no draft_window)
   spec-empty   vLLM's speculative step with empty drafts (benchmarks/oracle.py), target on
                core 0: the floor of a proposer that turns drafting off
@@ -64,6 +66,8 @@ METHODS = {
                                     "budget": "auto"}),
     "duo-lend": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
                                       "budget": "auto"}),
+    "duo-argmax": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
+                                        "budget": "auto", "sampled_drafts": False}),
     "duo-nolookup": dict(bind="0", duo={"parallel": True, "multi_sequence": True,
                                         "budget": "auto", "lookup": False}),
     "duo-fullctx": dict(bind="0", duo={"parallel": True, "multi_sequence": True,
@@ -97,7 +101,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
          "lookup_tokens_served", "lookup_tokens_accepted", "model_tokens_served",
          "model_tokens_accepted", "busy_s", "prefill_tokens", "predraft_tokens", "sync_tokens",
           "sync_s", "sync_calls", "propose_calls", "lookup_misses", "lent_steps",
-          "lend_switches", "matmul_remakes")}
+          "lend_switches", "matmul_remakes", "drawn_tokens")}
     lengths = {int(n): c - before.get("chosen_lengths", {}).get(n, 0)
                for n, c in after.get("chosen_lengths", {}).items()}
     return {
@@ -125,6 +129,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         # steps the target ran on the draft's cores too, and switches (duo-lend)
         "lent_steps": d["lent_steps"], "lend_switches": d["lend_switches"],
         "matmul_remakes": d["matmul_remakes"],
+        "drawn_tokens": d["drawn_tokens"],  # served with their q (sampled drafts)
         "sync_ms_per_draft_step": 1e3 * d["sync_s"] / d["propose_calls"] if d["propose_calls"] else None,
         "predraft_hit_rate": d["predraft_hits"] / d["requests"] if d["requests"] else 0.0,
         "branch_hit_rate": (d["predraft_hits"] / d["predraft_lookups"]
@@ -384,7 +389,7 @@ def summarise(results: dict) -> dict:
                     "acceptance", "propose_wait_ms", "lock_wait_ms", "actor_propose_ms", "sync_calls",
                     "lookup_misses", "sync_ms_per_draft_step", "gate_plain_steps", "gate_no_draft_steps",
                     "gate_tokens_per_s", "draft_busy_s", "propose_ms_per_step", "sources", "lookup_rows", "source_alpha",
-                    "lent_steps", "lend_switches", "matmul_remakes", "gate_log")}
+                    "lent_steps", "lend_switches", "matmul_remakes", "drawn_tokens", "gate_log")}
             if s["temperature"] == 0.0 and key in ref_shapes:
                 mine = [x["token_ids"] for x in rows if x["repeat"] == 0]
                 theirs = [x["token_ids"] for x in ref_shapes[key]["rows"] if x["repeat"] == 0]

@@ -45,7 +45,8 @@ def pin_process(cores: list[int]) -> list[int]:
 
 def make_policy(config: DuoConfig, k: int) -> DraftPolicy:
     return DraftPolicy(k=k, parallel=config.parallel, multi_sequence=config.multi_sequence,
-                       budget=config.fixed_budget(), max_branches=config.max_branches)
+                       budget=config.fixed_budget(), max_branches=config.max_branches,
+                       sampled_drafts=config.sampled_drafts)
 
 
 class DraftWorker:
@@ -163,12 +164,16 @@ class DraftWorker:
             return None if values is None else [values[i] for i in rows]
 
         drafts: list = [[] for _ in full]
+        qs: list = [None] * len(full)
         if rows:
-            for i, d in zip(rows, self._propose(pick(full), pick(max_tokens), target_step_s,
-                                                pick(temperatures), per_token_s,
-                                                pick(hints))):
+            got = self._propose(pick(full), pick(max_tokens), target_step_s,
+                                pick(temperatures), per_token_s, pick(hints))
+            for j, (i, d) in enumerate(zip(rows, got)):
                 drafts[i] = d
-        return Drafts(drafts, resend) if resend else drafts
+                qs[i] = got.q[j] if isinstance(got, Drafts) and got.q else None
+        if not any(q is not None for q in qs):
+            qs = None
+        return Drafts(drafts, resend, qs) if resend or qs else drafts
 
     def _propose(self, contexts, max_tokens, target_step_s, temperatures, per_token_s,
                  hints) -> list[list[int]]:
@@ -195,6 +200,8 @@ class DraftWorker:
             drafts = self.drafter.propose(contexts, max_tokens, target_step_s,
                                           temperatures=temperatures, per_token_s=per_token_s,
                                           hints=hints)
+            if any(q is not None for q in self.drafter.last_q):  # drawn: with their q
+                drafts = Drafts(drafts, q=self.drafter.last_q)
             self._deadline = self.drafter.deadline_after(time.perf_counter())
         finally:
             self._lock.release()

@@ -88,6 +88,14 @@ class Branch:
     tokens: list[int]
     prob: float
     seq_id: int
+    # each draft token's q (duo_vllm/sampling.py), aligned with tokens[1:]; None where
+    # it was the argmax (greedy)
+    q: list = field(default_factory=list)
+
+    def drawn(self, n: int) -> list | None:
+        """The q of the branch's first ``n`` draft tokens, if each was drawn from one."""
+        q = self.q[:n]
+        return q if n and len(q) == n and all(x is not None for x in q) else None
 
 
 @dataclass

@@ -125,6 +125,13 @@ class DuoConfig:
             off (or the draft side is held or gone), and gives the draft's
             cores back while it drafts (``duo_vllm/lending.py``). ``False``:
             the draft shares them as configured.
+        sampled_drafts: For a sampled request (temperature > 0), draw each draft
+            token from the draft's own distribution q (at the request's
+            temperature) and hand q to vLLM's rejection sampler, which then
+            accepts a token with probability min(1, p/q) instead of p alone
+            (``duo_vllm/sampling.py``); exact either way. ``False``: the
+            draft's argmax, as for greedy requests. Off by itself where this
+            vLLM cannot take draft probabilities from a custom proposer.
         draft_gpu_layers: Layers of the draft llama.cpp may offload to a GPU.
             0 (the default) keeps the draft on the CPU and hides the GPUs from
             the draft actor, whatever llama.cpp build is installed: a GPU build
@@ -157,6 +164,7 @@ class DuoConfig:
     gate: bool = True
     lookup: bool = True
     lend_cores: bool = True
+    sampled_drafts: bool = True
     lookup_min: int = 2
     lookup_max: int = 8
     vllm_limits: dict[str, Any] | None = None
@@ -193,7 +201,7 @@ class DuoConfig:
                                  f"lookup_min <= lookup_max, got {self.lookup_min!r}, "
                                  f"{self.lookup_max!r}")
         for name in ("use_actor", "parallel", "multi_sequence", "gate", "lookup",
-                     "lend_cores"):
+                     "lend_cores", "sampled_drafts"):
             if not isinstance(getattr(self, name), bool):
                 raise DuoConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.budget != "auto" and (isinstance(self.budget, bool)

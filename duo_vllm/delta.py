@@ -36,12 +36,15 @@ class Delta(NamedTuple):
 
 
 class Drafts(list):
-    """A step's drafts (a list, one per row) and the keys the receiver lacked; a step
-    that lacked none returns a plain list (it pickles faster)."""
+    """A step's drafts (a list, one per row), the keys the receiver lacked and, for
+    drafts drawn from the draft's distribution, each row's q per token (None for
+    the others; :mod:`duo_vllm.sampling`). A step with neither returns a plain
+    list (it pickles faster)."""
 
-    def __init__(self, drafts=(), resend=()):
+    def __init__(self, drafts=(), resend=(), q=None):
         super().__init__(drafts)
         self.resend = list(resend)
+        self.q = q
 
 
 def _extends(ctx: np.ndarray, prev: np.ndarray) -> bool:

@@ -10,8 +10,11 @@ it, one branch per likely candidate (DuoDecoding's dynamic multi-sequence
 drafting). ``predraft`` runs those jobs while vLLM verifies, and stops early
 when ``interrupt()`` says the next step has arrived.
 
-Only the greedy top-1 path of each branch is drafted; vLLM's rejection
-sampler verifies everything, so drafts change speed, never output.
+Each branch grows along the draft's top-1 token, or, for a sampled request
+(``sampled_drafts``), along tokens drawn from the draft's own distribution q,
+returned with the draft so the rejection sampler can use it
+(:mod:`duo_vllm.sampling`). vLLM's rejection sampler verifies everything, so
+drafts change speed, never output.
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ import numpy as np
 from .branching import (
     Branch, Tree, branch_candidates, select_branch, split_budget, top_candidates,
 )
-from .lookup import Hint, choose
+from .lookup import Hint, serve as serve_rule
 from .goodput import (
     PROBE_EVERY, Acceptance, DraftTimeModel, TargetCost, expected_accepted, plan_predraft,
     plan_served, plan_sync, regime,
 )
+from .sampling import draft_q, sample_q
 from .state import Assignment, Slot, SlotPool, common_prefix_len
 from .stats import DraftStats, Ema
 
@@ -45,6 +49,9 @@ class DraftPolicy:
     multi_sequence: bool = True  # several branches where the draft is unsure
     budget: int | None = None  # None: the goodput controller; N: always N tokens per request
     max_branches: int = 4
+    # sampled requests' drafts drawn from the draft's q, which the verifier then reads
+    # (duo_vllm/sampling.py); False: the argmax, as for greedy ones
+    sampled_drafts: bool = False
 
     @property
     def predrafts(self) -> bool:
@@ -94,8 +101,10 @@ class DuoDrafter:
     PROBE_CATCH_UP_STEPS = 4  # most target steps of prefill a probe may cost
 
     def __init__(self, backend, max_sequences: int, n_ctx: int, policy: DraftPolicy,
-                 window: int | None = None):
+                 window: int | None = None, seed: int | None = None):
         self.backend, self.n_ctx, self.policy = backend, n_ctx, policy
+        self.rng = np.random.default_rng(seed)  # the draws of sampled drafts
+        self.last_q: list = []  # each row's q of its last draft (None: not drawn)
         # the draft sees each request's last ``window`` tokens (a window fills at most
         # half the draft's context: it slides on by the other half)
         self.pool = SlotPool(max_sequences, window=min(window, n_ctx // 2) if window else None)
@@ -140,6 +149,14 @@ class DuoDrafter:
                 if br.seq_id != slot_id:
                     self.backend.remove(br.seq_id, 0, -1)
 
+    def _next_token(self, logits: np.ndarray, temperature: float):
+        """The next draft token and its q: drawn from q for a sampled request (with
+        ``sampled_drafts``), else the argmax (q None)."""
+        if self.policy.sampled_drafts and temperature >= 1e-5:
+            q = draft_q(logits, temperature)
+            return sample_q(*q, self.rng), q
+        return int(np.argmax(logits)), None
+
     def _sync_slot(self, slot, ctx: np.ndarray) -> int:
         """Make the slot's main sequence hold ``ctx[:keep]``; return keep (< len(ctx))."""
         keep = min(common_prefix_len(slot.tokens, ctx), len(ctx) - 1)
@@ -168,7 +185,7 @@ class DuoDrafter:
         only the pre-draft for these contexts is queued. ``hints`` are the
         proposer's lookup drafts (:class:`duo_vllm.lookup.Hint`): the drafter
         returns its own drafts, and pre-drafts from the end of what the
-        proposer will serve, :func:`duo_vllm.lookup.choose` of its own draft
+        proposer will serve, :func:`duo_vllm.lookup.serve` of its own draft
         and the hint (the same pure function, the same inputs), so a served
         lookup continuation finds its next step's branches ready.
         """
@@ -185,21 +202,23 @@ class DuoDrafter:
         contexts = [np.asarray(c, dtype=np.int32) for c in contexts]
         temps = [0.0] * len(contexts) if temperatures is None else [float(x) for x in temperatures]
         out: list[list[int]] = [[] for _ in contexts]
+        qs: dict = {}  # row -> the q of each token of its draft, where all were drawn
         rows = self._rows(contexts, max_tokens, temps, serve)
         hits = [r for r in rows if r.branch is not None]
         misses = [r for r in rows if r.branch is None and not r.background]
         served, (chosen, depth) = self._plan_step(len(contexts), hits, misses, cost, hints)
         for r, n in zip(hits, served):
-            out[r.row] = self._take_branch(r.slot, r.tree, r.branch, n)
+            out[r.row], qs[r.row] = self._take_branch(r.slot, r.tree, r.branch, n)
             st.predraft_hits += 1
             st.branch_hits[r.tree.branches.index(r.branch)] += 1
         if chosen and depth > 0:
             t_sync = time.perf_counter()
-            self._draft_chains([(r.row, r.slot, min(depth, r.k)) for r in chosen],
-                               {r.row: r.ctx for r in chosen}, out)
+            self._draft_chains([(r.row, r.slot, min(depth, r.k), r.temperature)
+                                for r in chosen], {r.row: r.ctx for r in chosen}, out, qs)
             st.sync_s += time.perf_counter() - t_sync
             st.sync_calls += 1
         self.live = {r.slot.seq_id for r in rows}
+        self.last_q = [qs.get(i) if out[i] else None for i in range(len(out))]
         for r in rows:
             draft = out[r.row]
             self.last_draft[r.slot.seq_id] = (len(r.ctx), draft, regime(r.temperature))
@@ -211,13 +230,13 @@ class DuoDrafter:
             self.floor_streak += 1
         elif any(out[r.row] for r in rows):
             self.floor_streak = 0
-        served, p_served = self._served(rows, out, hints)
+        served, p_served = self._served(rows, out, hints, self.last_q)
         self.expected_step_s = cost.step(sum(len(d) for d in served))
         self._plan_jobs(rows, served, p_served, cost, len(contexts))
         st.busy_s += time.perf_counter() - t0
         return out
 
-    def _served(self, rows: list[_Row], out, hints):
+    def _served(self, rows: list[_Row], out, hints, qs):
         """What the proposer will serve per row, and the chance all of it is accepted."""
         served = list(out)
         p_all = {r.row: r.alpha ** len(out[r.row]) for r in rows}
@@ -225,8 +244,7 @@ class DuoDrafter:
             hint = _hint(hints, r.row)
             if hint is None or not hint.tokens:
                 continue
-            draft, _ = choose(out[r.row], hint.tokens, hint.alpha_model, hint.alpha_lookup,
-                              hint.threshold)
+            draft, _ = serve_rule(out[r.row], qs[r.row] is not None, hint)
             if list(draft) != list(out[r.row]):
                 agree = common_prefix_len(np.asarray(draft, dtype=np.int32),
                                           np.asarray(out[r.row], dtype=np.int32))
@@ -378,8 +396,9 @@ class DuoDrafter:
                                          np.asarray(draft, dtype=np.int32))
             self.acceptance.observe(slot.seq_id, prev_reg, accepted, len(draft))
 
-    def _take_branch(self, slot, tree: Tree, branch: Branch, n: int) -> list[int]:
-        """Adopt a pre-drafted branch as the request's sequence; return its first ``n``."""
+    def _take_branch(self, slot, tree: Tree, branch: Branch, n: int):
+        """Adopt a pre-drafted branch as the request's sequence; return its first ``n``
+        draft tokens and their q (None unless each was drawn)."""
         pos_b = len(tree.prefix)
         if branch.seq_id != slot.seq_id:
             self.backend.remove(slot.seq_id, pos_b, -1)
@@ -387,40 +406,45 @@ class DuoDrafter:
         evaluated = branch.tokens[:-1] if len(branch.tokens) > 1 else []
         slot.tokens = np.concatenate([tree.prefix, np.asarray(evaluated, dtype=np.int32)])
         self._clear_tree(slot.seq_id)
-        return list(branch.tokens[1:1 + n])
+        draft = list(branch.tokens[1:1 + n])
+        return draft, branch.drawn(len(draft))
 
-    def _draft_chains(self, misses, contexts: dict, out) -> None:
-        """Greedy chains from the real contexts (by row, as the slots hold them), all
-        requests decoded together."""
+    def _draft_chains(self, misses, contexts: dict, out, qs: dict) -> None:
+        """Chains from the real contexts (by row, as the slots hold them), all requests
+        decoded together: (row, slot, length, temperature) each; the drawn tokens' q
+        go to ``qs``."""
         live, items = [], []
-        for row, slot, n in misses:
+        for row, slot, n, temp in misses:
             ctx = contexts[row]
             keep = self._sync_slot(slot, ctx)
             items.append((slot.seq_id, ctx[keep:], keep))
             self.stats.prefill_tokens += len(ctx) - keep
             slot.tokens = ctx
-            live.append([row, slot, n])
+            live.append([row, slot, n, temp])
+            qs[row] = []
         try:
             logits, _ = self._decode(items)
             while live:
                 nxt_items, still = [], []
-                for (row, slot, n), lg in zip(live, logits):
-                    out[row].append(int(np.argmax(lg)))
+                for (row, slot, n, temp), lg in zip(live, logits):
+                    tok, q = self._next_token(lg, temp)
+                    out[row].append(tok)
+                    qs[row] = None if qs[row] is None or q is None else qs[row] + [q]
                     if len(out[row]) < n:
                         tok = out[row][-1]
                         nxt_items.append((slot.seq_id, np.array([tok], dtype=np.int32),
                                           len(slot.tokens)))
                         slot.tokens = np.append(slot.tokens, np.int32(tok))
-                        still.append([row, slot, n])
+                        still.append([row, slot, n, temp])
                 if not nxt_items:
                     break
                 logits, n_tok = self._decode(nxt_items)
                 self.stats.sync_tokens += n_tok
                 live = still
         except Exception:
-            self._recover([slot for _, slot, _ in misses])
-            for row, _, _ in misses:
-                out[row] = []
+            self._recover([slot for _, slot, _, _ in misses])
+            for row, _, _, _ in misses:
+                out[row], qs[row] = [], None
 
     def _recover(self, slots) -> None:
         logger.exception("drafting failed; the affected requests get no draft this step")
@@ -589,10 +613,11 @@ class DuoDrafter:
             if policy.multi_sequence and self.n_extra:
                 p2_ids, p2_probs = top_candidates(_tempered(lg, job.temperature), 1)
                 first = branch_candidates(ids, probs, float(p2_probs[0]), policy.max_branches)
-                main.tokens.append(int(np.argmax(lg)))
             else:
                 first = [main.tokens[0]]
-                main.tokens.append(int(np.argmax(lg)))
+            tok, q = self._next_token(lg, job.temperature)
+            main.tokens.append(tok)
+            main.q.append(q)
             weights = [float(probs[list(ids).index(t)]) for t in first]
             alloc = split_budget(job.evals, weights, cap=policy.k,
                                  alpha=self.acceptance.alpha(slot.seq_id,
@@ -612,7 +637,7 @@ class DuoDrafter:
         # 3. extend every branch greedily, all branches of all requests in one decode
         while True:
             items, owners = [], []
-            for slot, tree, left in zip(slots, trees, evals_left):
+            for job, slot, tree, left in zip(jobs, slots, trees, evals_left):
                 for j, br in enumerate(tree.branches):
                     if left[j] <= 0:
                         continue
@@ -621,7 +646,7 @@ class DuoDrafter:
                         left[j] = 0
                         continue
                     items.append((br.seq_id, np.array(br.tokens[-1:], dtype=np.int32), pos))
-                    owners.append((br, left, j, slot))
+                    owners.append((br, left, j, slot, job.temperature))
             if not items:
                 return
             if stop(len(items)):
@@ -629,10 +654,12 @@ class DuoDrafter:
                 return
             logits, n = self._decode(items)
             st.predraft_tokens += n
-            for (br, left, j, slot), lg in zip(owners, logits):
+            for (br, left, j, slot, temp), lg in zip(owners, logits):
                 if br.seq_id == slot.seq_id:
                     slot.tokens = np.append(slot.tokens, np.int32(br.tokens[-1]))
-                br.tokens.append(int(np.argmax(lg)))
+                tok, q = self._next_token(lg, temp)
+                br.tokens.append(tok)
+                br.q.append(q)
                 left[j] -= 1
 
 
@@ -643,10 +670,10 @@ def _hint(hints: list[Hint | None] | None, row: int) -> Hint | None:
 
 def lookup_fallback(hint: Hint | None) -> tuple[float, int]:
     """(expected accepted tokens, length) of what a row is served from its lookup draft
-    alone, as the proposer's :func:`~duo_vllm.lookup.choose` cuts it."""
+    alone, as the proposer's :func:`~duo_vllm.lookup.serve` cuts it."""
     if hint is None or not hint.tokens:
         return 0.0, 0
-    draft, _ = choose([], hint.tokens, hint.alpha_model, hint.alpha_lookup, hint.threshold)
+    draft, _ = serve_rule([], False, hint)
     return expected_accepted(hint.alpha_lookup, len(draft)), len(draft)
 
 

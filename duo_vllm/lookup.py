@@ -143,6 +143,19 @@ def choose(model: list[int], lookup: list[int], alpha_model: float, alpha_lookup
     return (draft[:n], LOOKUP) if n else (model, MODEL)
 
 
+def serve(model: list[int], drawn: bool, hint: Hint | None) -> tuple[list[int], str]:
+    """What a row is served: its model draft and lookup draft combined by :func:`choose`.
+
+    A model draft ``drawn`` from the draft's q (a sampled request,
+    :mod:`duo_vllm.sampling`) is served as it is whenever it has tokens: the
+    rejection sampler reads its q, which holds only for the draw itself, not
+    for a draw picked or cut by how it agrees with the lookup draft.
+    """
+    if hint is None or not hint.tokens or (drawn and model):
+        return model, MODEL
+    return choose(model, hint.tokens, hint.alpha_model, hint.alpha_lookup, hint.threshold)
+
+
 @dataclass
 class _Proposal:
     start: int  # context length when proposed

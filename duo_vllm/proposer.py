@@ -25,10 +25,13 @@ from .delta import DeltaSender
 from .gate import DraftGate, LookupGate
 from .lending import MatmulPrimitives, TargetThreads, bind_order, lend_plan
 from .goodput import StepTimeModel
-from .lookup import LOOKUP, MODEL, ContextLookup, Hint, choose
+from .lookup import LOOKUP, MODEL, ContextLookup, Hint, serve
 from .models import ModelNotFoundError, default_draft_gguf
 from .pinning import move_engine_core, off_target, pin_ray_daemons
-from .vllm_patches import check_vllm, fix_cpu_expand_kernel, install_new_request_hook
+from .sampling import q_entries
+from .vllm_patches import (
+    check_vllm, fix_cpu_expand_kernel, install_draft_probs_hook, install_new_request_hook,
+)
 from .vocab import check_vocab, target_token_texts
 
 
@@ -144,6 +147,9 @@ class DuoProposer:
                         "output rank drafts)")
             return
 
+        if cfg.sampled_drafts and not install_draft_probs_hook():
+            # vLLM would not read q: sampled requests get the draft's argmax
+            cfg = self.config = dataclasses.replace(cfg, sampled_drafts=False)
         if cfg.lookup:
             self.lookup = ContextLookup(cfg.lookup_min, cfg.lookup_max)
         self.model_path = cfg.draft_model or default_draft_gguf()
@@ -221,6 +227,8 @@ class DuoProposer:
         # runs on them while the draft model is off (duo_vllm/lending.py)
         self._threads: TargetThreads | None = None
         self._primitives: MatmulPrimitives | None = None  # the target's, remade at each lend
+        self._step_q = None  # (drafts, their q per row) of the last step, for vLLM
+        self.drawn_tokens = 0  # draft tokens served with their q (sampled drafts)
 
     def _draft_cores(self, cfg: DuoConfig) -> list[int] | None:
         if cfg.resources and cfg.draft_cores is None:
@@ -233,6 +241,9 @@ class DuoProposer:
             plan = lend_plan(bind_order(os.environ), cores, torch.get_num_threads())
         if plan is not None:
             self._threads = TargetThreads(plan)
+            # plain decoding here runs on the draft's cores too: a batch-1 win says
+            # nothing of batch 2 (measured: drafting lost to it at batch 2-7)
+            self.gate.reach = 0
             logger.info("DuoProposer: the target lends CPU(s) %s to the draft: %d OpenMP "
                         "threads while the draft model is off, %d while it drafts",
                         cores, *plan)
@@ -270,6 +281,7 @@ class DuoProposer:
         except Exception:
             self._errors += 1
             self._returned_at = None
+            self._step_q = None
             logger.exception("DuoProposer: propose() failed; this step decodes without "
                              "drafts (output is unaffected)")
             return [[] for _ in sampled_token_ids]
@@ -279,6 +291,7 @@ class DuoProposer:
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        self._step_q = None
         if self._failed or self._passive or self._held:
             self._lend(True)
             return drafts
@@ -325,11 +338,16 @@ class DuoProposer:
             self._returned_at = time.perf_counter()
             self._calls += 1
             self._wait_s += self._returned_at - t0
+        qs = None
         if result is not None:
+            qs = getattr(result, "q", None) or [None] * len(result)
+            # (the draft's ids are the target's, by check_vocab: nothing is cut here)
             result = [valid_prefix(d[:k], self.target_vocab_size)
                       for d, k in zip(result, budgets)]
+            qs = [q[:len(d)] if q is not None and d else None for q, d in zip(qs, result)]
         # result None: the draft side is slow, restarting or gone (lookups only)
-        return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, result, hints)
+        return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, result, hints,
+                           qs)
 
     def _lend(self, lend: bool) -> None:
         """The next step runs the target on the draft's cores too (``lend``), or not."""
@@ -374,25 +392,49 @@ class DuoProposer:
         return [Hint(list(d), self.lookup.alpha(MODEL, key, t), self.lookup.alpha(LOOKUP, key, t),
                      threshold) for key, t, d in zip(keys, temps, lookups)]
 
-    def _serve(self, drafts, rows, keys, contexts, temps, lookups, model, hints=None):
-        """The step's drafts: model drafts and lookup drafts combined per row."""
+    def _serve(self, drafts, rows, keys, contexts, temps, lookups, model, hints=None, qs=None):
+        """The step's drafts: model drafts and lookup drafts combined per row (``qs``:
+        the model drafts' q, where they were drawn from it)."""
+        drawn = [None] * len(drafts)  # the q of each served draft that has one
         if lookups is None and model is not None:
-            for i, d in zip(rows, model):
-                drafts[i] = d
+            for j, (i, d) in enumerate(zip(rows, model)):
+                drafts[i], drawn[i] = d, qs[j] if qs else None
         elif lookups is not None:
             hints = hints or self._hints(keys, temps, lookups)
             for j, i in enumerate(rows):
                 m = model[j] if model is not None else []
-                h = hints[j]
-                served, source = choose(m, h.tokens, h.alpha_model, h.alpha_lookup, h.threshold)
+                q = qs[j] if qs else None
+                served, source = serve(m, q is not None, hints[j])
                 drafts[i] = served
+                if source == MODEL and q is not None:
+                    drawn[i] = q
                 self.lookup.remember(keys[j], len(contexts[j]), temps[j],
                                      {LOOKUP: lookups[j], MODEL: m}, source, served)
         self._last_step = (len(rows), sum(len(d) for d in drafts))
+        self._step_q = (drafts, drawn) if any(q is not None for q in drawn) else None
+        self.drawn_tokens += sum(len(q) for q in drawn if q is not None)
         if model is None:
             self._returned_at = time.perf_counter()
         self._maybe_log_stats()  # also while the gate keeps the draft model off
         return drafts
+
+    def take_last_draft_probs(self):
+        """The last step's draft distributions, ``[rows, width, vocab]`` on vLLM's device,
+        for its rejection sampler (read once, by the hook of
+        :mod:`duo_vllm.vllm_patches`); None when no draft was drawn from q."""
+        step, self._step_q = self._step_q, None
+        entries = None if step is None else q_entries(*step)
+        if entries is None:
+            return None
+        import torch
+
+        drafts = step[0]
+        device = getattr(self._runner, "device", None) or "cpu"
+        out = torch.zeros((len(drafts), max(len(d) for d in drafts), self.target_vocab_size),
+                          dtype=torch.float32, device=device)
+        r, j, t, p = (torch.from_numpy(x).to(device) for x in entries)
+        out[r.long(), j.long(), t.long()] = p
+        return out
 
     def attach_runner(self, runner) -> None:
         """vLLM's model runner (from the new-request hook): its input batch has each
@@ -539,6 +581,7 @@ class DuoProposer:
             "propose_errors": self._errors,
             "propose_steps": self._steps,
             "propose_total_s": self._step_s,
+            "drawn_tokens": self.drawn_tokens,  # served with their q (sampled requests)
             "gate_plain_steps": self.gate.plain_steps,  # steps without the draft model
             "gate_no_draft_steps": self.lookup_gate.plain_steps,  # ... nor lookup drafts
             "gate_tokens_per_s": {**self.gate.rates(), **self.lookup_gate.rates()},

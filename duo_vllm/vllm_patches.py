@@ -17,6 +17,8 @@ implementation of the kernel's contract.
 
 ``new_request_hook``: see :func:`install_new_request_hook` below.
 
+``draft_probs_hook``: see :func:`install_draft_probs_hook` below.
+
 ``check_vllm``: start-up checks that this vLLM is one the plugin is written
 for (versions in :data:`SUPPORTED_VLLM`, V1's model runner); a mismatch
 fails vLLM's start-up with what to change, or warns, instead of breaking
@@ -195,6 +197,89 @@ def install_new_request_hook() -> bool:
         logger.warning("duo_vllm: vLLM's model runner %s overrides _update_states; the "
                        "new-request hook does not reach it (no parallel prefill)",
                        _qualname(type(runner)))
+        return False
+    return True
+
+
+# ``draft_probs_hook``: vLLM's rejection sampler can read the draft's
+# probabilities q (``GPUModelRunner._draft_probs``, by request id in
+# ``_draft_prob_req_ids``), but vLLM fills them from its own draft-model
+# proposers only (their ``take_last_draft_probs``). The hook asks the custom
+# proposer the same, right after its propose(), so sampled requests are
+# verified against the q their drafts were drawn from
+# (:mod:`duo_vllm.sampling`). A q whose vocabulary is not the target logits'
+# is dropped: without q, vLLM takes each draft as certain, which is exact for
+# any draft.
+
+DRAFT_PROBS_HOOK = "_duo_draft_probs_hook"
+
+
+def with_draft_probs(propose_draft_token_ids):
+    """Wrap ``propose_draft_token_ids`` to hand the custom proposer's q to vLLM."""
+    if getattr(propose_draft_token_ids, DRAFT_PROBS_HOOK, False):
+        return propose_draft_token_ids
+
+    @functools.wraps(propose_draft_token_ids)
+    def _propose_draft_token_ids(self, *args, **kwargs):
+        drafts = propose_draft_token_ids(self, *args, **kwargs)
+        drafter = getattr(self, "drafter", None)
+        take = None
+        for candidate in (drafter, getattr(drafter, "user_proposer", None)):
+            take = take or getattr(candidate, "take_last_draft_probs", None)
+        if take is not None and getattr(self.speculative_config, "method", None) == \
+                "custom_class":
+            probs = take()
+            if probs is not None:
+                self._draft_probs = probs
+                self._draft_prob_req_ids = self.input_batch.req_ids.copy()
+        return drafts
+
+    setattr(_propose_draft_token_ids, DRAFT_PROBS_HOOK, True)
+    return _propose_draft_token_ids
+
+
+def with_draft_probs_check(sample):
+    """Wrap ``_sample``: a q whose vocabulary is not the logits' is dropped."""
+    if getattr(sample, DRAFT_PROBS_HOOK, False):
+        return sample
+
+    @functools.wraps(sample)
+    def _sample(self, logits, *args, **kwargs):
+        probs = getattr(self, "_draft_probs", None)
+        if probs is not None and logits is not None and probs.shape[-1] != logits.shape[-1]:
+            logger.warning("duo_vllm: the draft's probabilities have %d columns, the target's "
+                           "logits %d; verifying without them", probs.shape[-1],
+                           logits.shape[-1])
+            self._draft_probs = None
+        return sample(self, logits, *args, **kwargs)
+
+    setattr(_sample, DRAFT_PROBS_HOOK, True)
+    return _sample
+
+
+def install_draft_probs_hook() -> bool:
+    """Install :func:`with_draft_probs` on vLLM's v1 model runner (idempotent).
+
+    False where this vLLM's runner does not read draft probabilities
+    (``_get_spec_decode_draft_probs``): sampled requests then get argmax drafts.
+    """
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return False
+    needed = ("_get_spec_decode_draft_probs", "propose_draft_token_ids", "_sample")
+    if not all(hasattr(GPUModelRunner, name) for name in needed):
+        logger.info("duo_vllm: this vLLM's model runner reads no draft probabilities; "
+                    "sampled requests get the draft's argmax")
+        return False
+    GPUModelRunner.propose_draft_token_ids = with_draft_probs(
+        GPUModelRunner.propose_draft_token_ids)
+    GPUModelRunner._sample = with_draft_probs_check(GPUModelRunner._sample)
+    runner = constructing_runner()
+    if runner is not None and not getattr(getattr(type(runner), "propose_draft_token_ids",
+                                                  None), DRAFT_PROBS_HOOK, False):
+        logger.info("duo_vllm: vLLM's model runner %s overrides propose_draft_token_ids; "
+                    "sampled requests get the draft's argmax", _qualname(type(runner)))
         return False
     return True
 

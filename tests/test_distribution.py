@@ -72,7 +72,9 @@ def plain_samples(session_tmp, target_dir):
 # on one draft core, which would leave the test without power). "serial"
 # drafts chains while vLLM waits, so every request has its decode positions
 # verified. "parallel" also pre-drafts branch trees while vLLM verifies and
-# serves them on a hit: the path the default configuration takes.
+# serves them on a hit: the path the default configuration takes. Both draw
+# the drafts from the draft's q and hand q to the rejection sampler
+# (duo_vllm/sampling.py); the lossy control's drafts are drawn too.
 MODES = {
     "serial": {"parallel": False, "budget": 4, "propose_timeout_s": 120},
     "parallel": {"parallel": True, "multi_sequence": True, "budget": 4,
@@ -88,6 +90,8 @@ def duo_spec(mode: str, model: str = "duo_vllm.DuoProposer") -> dict:
 def test_duo_sampling_matches_plain_distribution(session_tmp, target_dir, plain_samples, mode):
     duo, out = sample(session_tmp, target_dir, f"dist_duo_{mode}", duo_spec(mode))
     assert out["metrics"]["accepted"] > 0, out["metrics"]  # drafts were really verified
+    # drawn from the draft's q and verified with it (sampled_drafts, the default)
+    assert out["draft_stats"]["drawn_tokens"] > 0, out["draft_stats"]
     if mode == "serial":  # every request had its decode positions verified
         assert out["metrics"]["drafts"] >= SAMPLES * len(PROMPTS), out["metrics"]
     else:  # pre-drafted branches were served, not only chains drafted on demand

@@ -118,6 +118,11 @@ def test_a_win_carries_to_a_batch_size_up_to_reach_buckets_above():
         if not first:  # the trial comes as a retry would, and is judged as one
             modes = run_gate(gate, 16, rate_on=150.0, rate_off=100.0, steps=100)
             assert not modes[0] and all(modes[-20:])
+    # reach=0 (a lending target: plain decoding gets the draft's cores) carries no win up
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100, reach=0)
+    run_gate(gate, 1, rate_on=40.0, rate_off=20.0, steps=60)
+    assert not run_gate(gate, 2, rate_on=30.0, rate_off=40.0, steps=60)[0]
+    assert gate.drafting(1, sampled=True)  # the same batch size, sampled: still carried
 
 
 def test_a_dip_between_trials_does_not_switch_the_mode():

@@ -370,3 +370,32 @@ def test_while_the_model_gate_tries_plain_decoding_the_lookup_gate_holds_its_mod
         clock.now += 0.1
         ctx = ctx + [7]
     assert p._errors == 0  # (propose() never raises: a failure would only be counted)
+
+
+def test_drawn_drafts_go_to_vllm_with_their_q_and_other_drafts_one_hot(clock):
+    from duo_vllm.delta import Drafts
+
+    q = [(np.array([3, 9], dtype=np.int32), np.array([0.6, 0.4], dtype=np.float32))] * 2
+    w = FakeWorker(drafts=Drafts([[1, 2], [3, 3]], q=[None, q]))
+    p = bare(w, vocab=12, k=2)
+    p._gated = False
+    sampled, n, ids = inputs([[1, 2], [4, 5]])
+    assert p.propose(sampled, n, ids) == [[1, 2], [3, 3]]
+    probs = p.take_last_draft_probs()
+    assert tuple(probs.shape) == (2, 2, 12)
+    assert probs[0, 0, 1] == 1 and probs[0, 1, 2] == 1 and probs[0].sum() == 2  # one-hot
+    assert probs[1, 0, 3] == pytest.approx(0.6) and probs[1, 1, 9] == pytest.approx(0.4)
+    assert p.take_last_draft_probs() is None  # read once
+    assert p.stats()["drawn_tokens"] == 2
+    w.drafts = [[1, 2], [3, 3]]  # nothing drawn: vLLM verifies as without q
+    p.propose(sampled, n, ids)
+    assert p.take_last_draft_probs() is None
+
+
+def test_a_lending_target_carries_no_gate_win_to_a_larger_batch(monkeypatch):
+    p = bare(FakeWorker())
+    assert p.gate.reach == 2
+    monkeypatch.setattr(proposer_mod, "resolve_draft_cores", lambda cfg: ([1], True))
+    monkeypatch.setattr(proposer_mod, "lend_plan", lambda order, cores, n: (2, 1))
+    assert p._draft_cores(DuoConfig(use_actor=False)) == [1]
+    assert p._threads is not None and p.gate.reach == 0

@@ -246,3 +246,19 @@ def test_parallel_groups_name_the_output_rank():
     assert callable(ps.get_tp_group) and callable(ps.get_pp_group)
     assert isinstance(inspect.getattr_static(ps.GroupCoordinator, "is_last_rank"), property)
     assert "self.rank_in_group" in inspect.getsource(ps.GroupCoordinator.__init__)
+
+
+def test_the_runner_reads_draft_probs_by_request_as_the_draft_probs_hook_sets_them():
+    # the rejection sampler gets _get_spec_decode_draft_probs(...) from _sample
+    sample = _source_tree(inspect.unwrap(gmr.GPUModelRunner._sample))
+    assert any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+               and n.func.attr == "_get_spec_decode_draft_probs" for n in ast.walk(sample))
+    # ... which slices self._draft_probs[row, :num_draft] by self._draft_prob_req_ids
+    src = inspect.getsource(gmr.GPUModelRunner._get_spec_decode_draft_probs)
+    assert "self._draft_probs[row_idx, :num_draft]" in src
+    assert "self._draft_prob_req_ids" in src
+    # propose_draft_token_ids clears both before asking the proposer: the hook sets them after
+    propose = inspect.getsource(inspect.unwrap(gmr.GPUModelRunner.propose_draft_token_ids))
+    assert propose.index("self._draft_probs = None") < propose.index('"custom_class"')
+    assert list(inspect.signature(inspect.unwrap(gmr.GPUModelRunner._sample)).parameters)[:2] \
+        == ["self", "logits"]

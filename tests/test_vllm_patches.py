@@ -259,3 +259,60 @@ def test_unknown_vllm_versions_warn(caplog):
     assert not check_vllm_version("0.34.0.dev5")
     assert "vLLM 0.34.0.dev5 is untested" in caplog.text and "0.32 and 0.33" in caplog.text
     assert not check_vllm_version(None)
+
+
+def test_draft_probs_hook_hands_the_custom_proposers_q_to_vllm_and_drops_a_wrong_one(caplog):
+    from types import SimpleNamespace
+
+    import torch
+
+    from duo_vllm.vllm_patches import with_draft_probs, with_draft_probs_check
+
+    class Drafter:
+        def __init__(self, probs):
+            self.probs = probs
+
+        def take_last_draft_probs(self):
+            probs, self.probs = self.probs, None
+            return probs
+
+    class Runner:
+        def __init__(self, drafter, method="custom_class"):
+            self.drafter = drafter
+            self.speculative_config = SimpleNamespace(method=method)
+            self.input_batch = SimpleNamespace(req_ids=["a", "b"])
+            self._draft_probs = self._draft_prob_req_ids = None
+
+        @with_draft_probs
+        def propose_draft_token_ids(self, *args):
+            return [[1], [2]]
+
+        @with_draft_probs_check
+        def _sample(self, logits, spec_decode_metadata):
+            return self._draft_probs
+
+    q = torch.zeros(2, 1, 8)
+    r = Runner(Drafter(q))
+    assert r.propose_draft_token_ids() == [[1], [2]]
+    assert r._draft_probs is q and r._draft_prob_req_ids == ["a", "b"]
+    assert r._sample(torch.zeros(2, 8), None) is q  # the logits' vocabulary: kept
+    with caplog.at_level("WARNING"):
+        assert r._sample(torch.zeros(2, 9), None) is None  # not theirs: verified without q
+    assert "columns" in caplog.text
+    r = Runner(Drafter(q), method="ngram")  # another proposer's: left alone
+    r.propose_draft_token_ids()
+    assert r._draft_probs is None
+    r = Runner(SimpleNamespace(user_proposer=Drafter(q)))  # a proposer vLLM wraps
+    r.propose_draft_token_ids()
+    assert r._draft_probs is q
+
+
+def test_draft_probs_hook_installs_on_vllms_model_runner():
+    gmr = pytest.importorskip("vllm.v1.worker.gpu_model_runner")
+    from duo_vllm.vllm_patches import DRAFT_PROBS_HOOK, install_draft_probs_hook
+
+    assert install_draft_probs_hook() and install_draft_probs_hook()
+    for name in ("propose_draft_token_ids", "_sample"):
+        wrapped = getattr(gmr.GPUModelRunner, name)
+        assert getattr(wrapped, DRAFT_PROBS_HOOK) and not getattr(wrapped.__wrapped__,
+                                                                  DRAFT_PROBS_HOOK, False)
