@@ -46,7 +46,8 @@ def pin_process(cores: list[int]) -> list[int]:
 def make_policy(config: DuoConfig, k: int) -> DraftPolicy:
     return DraftPolicy(k=k, parallel=config.parallel, multi_sequence=config.multi_sequence,
                        budget=config.fixed_budget(), max_branches=config.max_branches,
-                       sampled_drafts=config.sampled_drafts)
+                       sampled_drafts=config.sampled_drafts,
+                       vocab_limit=config.target_vocab_size())
 
 
 class DraftWorker:

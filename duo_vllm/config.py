@@ -25,7 +25,7 @@ from .host import (
 ENV_VAR = "DUO_VLLM_CONFIG"
 EXTRA_CONFIG_KEY = "duo"
 INTERNAL_OPTIONS = frozenset({"vllm_limits"})  # set by DuoProposer, never by users
-_VLLM_LIMIT_KEYS = ("given", "max_model_len", "max_num_seqs")
+_VLLM_LIMIT_KEYS = ("given", "max_model_len", "max_num_seqs", "vocab_size")
 
 DEFAULT_N_CTX = 2048  # n_ctx where neither the user nor vLLM says (DraftWorker on its own)
 DEFAULT_MAX_SEQUENCES = 8  # the fewest requests the draft keeps unless the user says
@@ -137,7 +137,8 @@ class DuoConfig:
             the draft actor, whatever llama.cpp build is installed: a GPU build
             would otherwise take GPU memory before vLLM measures it. -1: all.
         vllm_limits: Not a user option: set by DuoProposer (:meth:`follow_vllm`)
-            to vLLM's ``max_num_seqs`` and ``max_model_len`` and the names of the
+            to vLLM's ``max_num_seqs``, ``max_model_len``, the target's
+            ``vocab_size`` (no drawn draft token goes past it) and the names of the
             options the user set, for the actor's :func:`derive_draft_limits`.
     """
 
@@ -302,7 +303,12 @@ class DuoConfig:
         return dataclasses.replace(self, vllm_limits={
             "max_num_seqs": positive(getattr(sched, "max_num_seqs", None)),
             "max_model_len": positive(getattr(model, "max_model_len", None)),
+            "vocab_size": positive(_vocab_size(model)),
             "given": sorted(n for n in ("n_ctx", "max_sequences") if n in given)})
+
+    def target_vocab_size(self) -> int | None:
+        """The target's vocabulary size (its logits' width), where vLLM's is attached."""
+        return (self.vllm_limits or {}).get("vocab_size")
 
     def draft_limits(self, n_ctx_train: int | None, max_branches: int) -> "DraftLimits":
         """n_ctx and max_sequences for a draft model trained on ``n_ctx_train`` tokens."""
@@ -569,3 +575,11 @@ def resolve_draft_cores(cfg: DuoConfig, available: list[int] | None = None,
     vllm_logger("duo_vllm.config").info("DuoProposer: draft cores %s, %d llama.cpp thread(s): %s",
                                         choice.cores, threads, choice.reason)
     return choice.cores, choice.shared
+
+
+def _vocab_size(model_config) -> int | None:
+    """vLLM's vocabulary size for the target (its logits' width), if it says."""
+    try:
+        return model_config.get_vocab_size()
+    except Exception:  # no model config (tests), or one that cannot say
+        return None

@@ -52,6 +52,7 @@ class DraftPolicy:
     # sampled requests' drafts drawn from the draft's q, which the verifier then reads
     # (duo_vllm/sampling.py); False: the argmax, as for greedy ones
     sampled_drafts: bool = False
+    vocab_limit: int | None = None  # drawn tokens stay below it (the target's vocabulary)
 
     @property
     def predrafts(self) -> bool:
@@ -153,7 +154,7 @@ class DuoDrafter:
         """The next draft token and its q: drawn from q for a sampled request (with
         ``sampled_drafts``), else the argmax (q None)."""
         if self.policy.sampled_drafts and temperature >= 1e-5:
-            q = draft_q(logits, temperature)
+            q = draft_q(logits, temperature, limit=self.policy.vocab_limit)
             return sample_q(*q, self.rng), q
         return int(np.argmax(logits)), None
 

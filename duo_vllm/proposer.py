@@ -147,8 +147,10 @@ class DuoProposer:
                         "output rank drafts)")
             return
 
-        if cfg.sampled_drafts and not install_draft_probs_hook():
-            # vLLM would not read q: sampled requests get the draft's argmax
+        tp = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1)
+        if cfg.sampled_drafts and (tp > 1 or not install_draft_probs_hook()):
+            # vLLM would not read q, or would read it on one tensor-parallel rank only (its
+            # other ranks verify too and must agree): sampled requests get the argmax
             cfg = self.config = dataclasses.replace(cfg, sampled_drafts=False)
         if cfg.lookup:
             self.lookup = ContextLookup(cfg.lookup_min, cfg.lookup_max)
@@ -227,7 +229,8 @@ class DuoProposer:
         # runs on them while the draft model is off (duo_vllm/lending.py)
         self._threads: TargetThreads | None = None
         self._primitives: MatmulPrimitives | None = None  # the target's, remade at each lend
-        self._step_q = None  # (drafts, their q per row) of the last step, for vLLM
+        self._step_q = None  # (rows, drafts, their q) of the last step's drafted rows
+        self.draft_prob_rows: list[int] = []  # the rows of take_last_draft_probs()'s answer
         self.drawn_tokens = 0  # draft tokens served with their q (sampled drafts)
 
     def _draft_cores(self, cfg: DuoConfig) -> list[int] | None:
@@ -316,6 +319,8 @@ class DuoProposer:
             return drafts
         temps = self._temperatures(rows)
         self._sampled = bool(temps) and max(temps) > 1e-5
+        if temps and self._sampled and self.config.sampled_drafts:
+            temps = self._draw_temperatures(rows, temps)
         temps_or_0 = temps or [0.0] * len(rows)
         keys = self._request_keys(rows)
         if self._runner is not None and self._gated:  # it needs request ids to count tokens
@@ -411,7 +416,10 @@ class DuoProposer:
                 self.lookup.remember(keys[j], len(contexts[j]), temps[j],
                                      {LOOKUP: lookups[j], MODEL: m}, source, served)
         self._last_step = (len(rows), sum(len(d) for d in drafts))
-        self._step_q = (drafts, drawn) if any(q is not None for q in drawn) else None
+        self._step_q = None
+        if any(q is not None for q in drawn):
+            rows_q = [i for i, d in enumerate(drafts) if d]
+            self._step_q = (rows_q, [drafts[i] for i in rows_q], [drawn[i] for i in rows_q])
         self.drawn_tokens += sum(len(q) for q in drawn if q is not None)
         if model is None:
             self._returned_at = time.perf_counter()
@@ -421,14 +429,15 @@ class DuoProposer:
     def take_last_draft_probs(self):
         """The last step's draft distributions, ``[rows, width, vocab]`` on vLLM's device,
         for its rejection sampler (read once, by the hook of
-        :mod:`duo_vllm.vllm_patches`); None when no draft was drawn from q."""
+        :mod:`duo_vllm.vllm_patches`): one row per input-batch row with a draft, those
+        in ``draft_prob_rows``; None when no draft was drawn from q."""
         step, self._step_q = self._step_q, None
-        entries = None if step is None else q_entries(*step)
+        entries = None if step is None else q_entries(*step[1:])
         if entries is None:
             return None
         import torch
 
-        drafts = step[0]
+        self.draft_prob_rows, drafts = step[0], step[1]
         device = getattr(self._runner, "device", None) or "cpu"
         out = torch.zeros((len(drafts), max(len(d) for d in drafts), self.target_vocab_size),
                           dtype=torch.float32, device=device)
@@ -446,6 +455,22 @@ class DuoProposer:
         if temps is None:
             return None
         return [float(temps[i]) for i in rows]
+
+    def _draw_temperatures(self, rows: list[int], temps: list[float]) -> list[float]:
+        """The temperatures the drafter drafts at: 0 (the argmax, no q) for a request
+        with structured output, whose drafts vLLM's scheduler cuts at the first token
+        its grammar rejects. A cut that looks at a drawn token's value would bias the
+        output; a draft without q stays exact however it is cut."""
+        ids = getattr(getattr(self._runner, "input_batch", None), "req_ids", None) or []
+        states = getattr(self._runner, "requests", None) or {}
+        out = list(temps)
+        for j, i in enumerate(rows):
+            params = getattr(states.get(ids[i]) if i < len(ids) else None,
+                             "sampling_params", None)
+            if getattr(params, "structured_outputs", None) is not None or \
+                    getattr(params, "guided_decoding", None) is not None:
+                out[j] = 0.0
+        return out
 
     def on_new_requests(self, new_reqs, batch: int | None = None) -> None:
         """vLLM is about to prefill ``new_reqs`` (its ``scheduled_new_reqs``).

@@ -223,15 +223,21 @@ def with_draft_probs(propose_draft_token_ids):
     def _propose_draft_token_ids(self, *args, **kwargs):
         drafts = propose_draft_token_ids(self, *args, **kwargs)
         drafter = getattr(self, "drafter", None)
-        take = None
-        for candidate in (drafter, getattr(drafter, "user_proposer", None)):
-            take = take or getattr(candidate, "take_last_draft_probs", None)
-        if take is not None and getattr(self.speculative_config, "method", None) == \
-                "custom_class":
-            probs = take()
+        owner = next((c for c in (drafter, getattr(drafter, "user_proposer", None))
+                      if callable(getattr(c, "take_last_draft_probs", None))), None)
+        if owner is None or getattr(self.speculative_config, "method", None) != "custom_class":
+            return drafts
+        try:
+            probs = owner.take_last_draft_probs()
             if probs is not None:
+                ids = self.input_batch.req_ids
+                rows = getattr(owner, "draft_prob_rows", None)  # its rows, else every row
                 self._draft_probs = probs
-                self._draft_prob_req_ids = self.input_batch.req_ids.copy()
+                self._draft_prob_req_ids = list(ids) if rows is None else [ids[i] for i in rows]
+        except Exception:  # without q vLLM reads each draft as certain: exact for any draft
+            self._draft_probs = self._draft_prob_req_ids = None
+            logger.exception("duo_vllm: the proposer's draft probabilities failed; this step "
+                             "verifies without them")
         return drafts
 
     setattr(_propose_draft_token_ids, DRAFT_PROBS_HOOK, True)

@@ -67,7 +67,8 @@ def test_without_vllm_the_old_defaults_stand():
 def test_follow_vllm_keeps_what_the_user_set():
     cfg = DuoConfig.from_sources({"duo": {"n_ctx": 1024}}, environ={}).follow_vllm(
         vllm_config(64, 32768))
-    assert cfg.vllm_limits == {"max_num_seqs": 64, "max_model_len": 32768, "given": ["n_ctx"]}
+    assert cfg.vllm_limits == {"max_num_seqs": 64, "max_model_len": 32768, "vocab_size": None,
+                               "given": ["n_ctx"]}
     # what the actor receives (to_dict -> JSON -> from_dict) still knows
     lim = DuoConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))).draft_limits(8192, 4)
     assert (lim.n_ctx, lim.max_sequences) == (1024, MAX_DEFAULT_SEQUENCES)
@@ -178,4 +179,11 @@ def test_the_proposer_hands_vllms_limits_to_the_actor(monkeypatch):
     config.scheduler_config = SimpleNamespace(max_num_seqs=128)
     with pytest.raises(Stop):
         proposer_mod.DuoProposer(config)
-    assert seen["cfg"].vllm_limits == {"max_num_seqs": 128, "max_model_len": 2048, "given": []}
+    assert seen["cfg"].vllm_limits == {"max_num_seqs": 128, "max_model_len": 2048,
+                                       "vocab_size": 49152, "given": []}
+    assert seen["cfg"].target_vocab_size() == 49152 and seen["cfg"].sampled_drafts
+    # with tensor parallelism every rank verifies, but only one drafts: no drawn drafts
+    config.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(Stop):
+        proposer_mod.DuoProposer(config)
+    assert not seen["cfg"].sampled_drafts

@@ -376,18 +376,19 @@ def test_drawn_drafts_go_to_vllm_with_their_q_and_other_drafts_one_hot(clock):
     from duo_vllm.delta import Drafts
 
     q = [(np.array([3, 9], dtype=np.int32), np.array([0.6, 0.4], dtype=np.float32))] * 2
-    w = FakeWorker(drafts=Drafts([[1, 2], [3, 3]], q=[None, q]))
+    w = FakeWorker(drafts=Drafts([[1, 2], [], [3, 3]], q=[None, None, q]))
     p = bare(w, vocab=12, k=2)
     p._gated = False
-    sampled, n, ids = inputs([[1, 2], [4, 5]])
-    assert p.propose(sampled, n, ids) == [[1, 2], [3, 3]]
+    sampled, n, ids = inputs([[1, 2], [6, 7], [4, 5]])
+    assert p.propose(sampled, n, ids) == [[1, 2], [], [3, 3]]
     probs = p.take_last_draft_probs()
+    assert p.draft_prob_rows == [0, 2]  # the rows with a draft, those only
     assert tuple(probs.shape) == (2, 2, 12)
     assert probs[0, 0, 1] == 1 and probs[0, 1, 2] == 1 and probs[0].sum() == 2  # one-hot
     assert probs[1, 0, 3] == pytest.approx(0.6) and probs[1, 1, 9] == pytest.approx(0.4)
     assert p.take_last_draft_probs() is None  # read once
     assert p.stats()["drawn_tokens"] == 2
-    w.drafts = [[1, 2], [3, 3]]  # nothing drawn: vLLM verifies as without q
+    w.drafts = [[1, 2], [], [3, 3]]  # nothing drawn: vLLM verifies as without q
     p.propose(sampled, n, ids)
     assert p.take_last_draft_probs() is None
 
@@ -399,3 +400,24 @@ def test_a_lending_target_carries_no_gate_win_to_a_larger_batch(monkeypatch):
     monkeypatch.setattr(proposer_mod, "lend_plan", lambda order, cores, n: (2, 1))
     assert p._draft_cores(DuoConfig(use_actor=False)) == [1]
     assert p._threads is not None and p.gate.reach == 0
+
+
+def test_requests_with_structured_output_are_drafted_without_draws(clock):
+    # vLLM's scheduler cuts their drafts at the first token the grammar rejects: a cut by a
+    # drawn token's value would bias the output, so they get the argmax (no q)
+    w = FakeWorker()
+    p = bare(w)
+    p.config = DuoConfig(use_actor=False, sampled_drafts=True)
+    grammar = SimpleNamespace(structured_outputs=object())
+    free = SimpleNamespace(structured_outputs=None)
+    p.attach_runner(SimpleNamespace(
+        input_batch=SimpleNamespace(req_ids=["a", "b", "c"],
+                                    temperature_cpu=np.array([0.7, 0.7, 0.0], dtype=np.float32)),
+        requests={"a": SimpleNamespace(sampling_params=grammar),
+                  "b": SimpleNamespace(sampling_params=free),
+                  "c": SimpleNamespace(sampling_params=free)}))
+    p._gated = False
+    sampled, n, ids = inputs([[1, 2], [3, 4], [5, 6]])
+    p.propose(sampled, n, ids)
+    assert w.calls[-1]["temps"] == [0.0, pytest.approx(0.7), 0.0]
+    assert p._sampled  # the gate still counts the step as sampled

@@ -148,6 +148,11 @@ def test_sampled_rows_get_drafts_drawn_from_q_and_greedy_rows_the_argmax():
     counts = [firsts.count(10), firsts.count(11), firsts.count(12)]
     counts.append(len(firsts) - sum(counts))
     assert chisquare(counts, expected).pvalue > P_MIN
+    # a vocabulary limit (the target's): no draw at or above it
+    d.policy = DraftPolicy(k=3, parallel=False, budget=3, sampled_drafts=True, vocab_limit=12)
+    for i in range(50):
+        assert max(d.propose([np.array([7, 8 + i % 3], dtype=np.int32)], [3],
+                             temperatures=[1.0])[0]) < 12
     # off: the argmax for every request, no q
     d.policy = DraftPolicy(k=3, parallel=False, budget=3, sampled_drafts=False)
     assert d.propose([np.array([7, 8], dtype=np.int32)], [3], temperatures=[1.0]) == [[10] * 3]

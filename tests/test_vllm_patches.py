@@ -305,6 +305,19 @@ def test_draft_probs_hook_hands_the_custom_proposers_q_to_vllm_and_drops_a_wrong
     r = Runner(SimpleNamespace(user_proposer=Drafter(q)))  # a proposer vLLM wraps
     r.propose_draft_token_ids()
     assert r._draft_probs is q
+    d = Drafter(q[:1])  # the proposer's answer covers the rows it names
+    d.draft_prob_rows = [1]
+    r = Runner(d)
+    r.propose_draft_token_ids()
+    assert r._draft_prob_req_ids == ["b"]
+
+    class Broken(Drafter):
+        def take_last_draft_probs(self):
+            raise RuntimeError("boom")
+    r = Runner(Broken(q))  # a failure costs this step its q, never the engine
+    with caplog.at_level("ERROR"):
+        assert r.propose_draft_token_ids() == [[1], [2]]
+    assert r._draft_probs is None and "verifies without them" in caplog.text
 
 
 def test_draft_probs_hook_installs_on_vllms_model_runner():
