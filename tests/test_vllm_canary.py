@@ -262,3 +262,14 @@ def test_the_runner_reads_draft_probs_by_request_as_the_draft_probs_hook_sets_th
     assert propose.index("self._draft_probs = None") < propose.index('"custom_class"')
     assert list(inspect.signature(inspect.unwrap(gmr.GPUModelRunner._sample)).parameters)[:2] \
         == ["self", "logits"]
+
+
+def test_the_runner_keeps_each_requests_sampling_params_where_the_proposer_reads_them():
+    # DuoProposer._draw_temperatures: runner.requests[req_id].sampling_params.structured_outputs
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState
+
+    init = inspect.getsource(gmr.GPUModelRunner.__init__)
+    assert re.search(r"self\.requests\s*:\s*dict\[str, CachedRequestState\]", init)
+    assert "sampling_params" in {f.name for f in dataclasses.fields(CachedRequestState)}
+    assert SamplingParams(temperature=0.7).structured_outputs is None
