@@ -28,7 +28,7 @@ from .goodput import StepTimeModel
 from .lookup import LOOKUP, MODEL, ContextLookup, Hint, serve
 from .models import ModelNotFoundError, default_draft_gguf
 from .pinning import move_engine_core, off_target, pin_ray_daemons
-from .sampling import q_entries
+from .sampling import dense_q
 from .vllm_patches import (
     check_vllm, fix_cpu_expand_kernel, install_draft_probs_hook, install_new_request_hook,
 )
@@ -432,18 +432,11 @@ class DuoProposer:
         :mod:`duo_vllm.vllm_patches`): one row per input-batch row with a draft, those
         in ``draft_prob_rows``; None when no draft was drawn from q."""
         step, self._step_q = self._step_q, None
-        entries = None if step is None else q_entries(*step[1:])
-        if entries is None:
+        if step is None:
             return None
-        import torch
-
-        self.draft_prob_rows, drafts = step[0], step[1]
-        device = getattr(self._runner, "device", None) or "cpu"
-        out = torch.zeros((len(drafts), max(len(d) for d in drafts), self.target_vocab_size),
-                          dtype=torch.float32, device=device)
-        r, j, t, p = (torch.from_numpy(x).to(device) for x in entries)
-        out[r.long(), j.long(), t.long()] = p
-        return out
+        self.draft_prob_rows = step[0]
+        return dense_q(*step[1:], self.target_vocab_size,
+                       getattr(self._runner, "device", None) or "cpu")
 
     def attach_runner(self, runner) -> None:
         """vLLM's model runner (from the new-request hook): its input batch has each

@@ -16,7 +16,7 @@ with probability p(x) alone. So:
 :func:`draft_q` is q, cut to the draft's ``TOP_Q`` most likely tokens and
 renormalised (a valid proposal: only q must be known exactly), so a drafted
 token carries 2·``TOP_Q`` numbers, not the vocabulary. :func:`sample_q`
-draws from it. :func:`q_entries` lays a step's q out for the
+draws from it. :func:`dense_q` lays a step's q out as the
 ``[rows, width, vocab]`` tensor vLLM's rejection sampler reads, one-hot for
 tokens drafted without q (lookup copies, greedy drafts): exact either way.
 
@@ -76,13 +76,16 @@ def q_entries(drafts: list[list[int]], qs: list):
     return tuple(np.concatenate(x) for x in (rows, pos, toks, probs))
 
 
-def dense_q(drafts: list[list[int]], qs: list, vocab: int) -> np.ndarray | None:
-    """The ``[rows, width, vocab]`` array vLLM's rejection sampler reads (see
-    :func:`q_entries`; the proposer builds the same on vLLM's device)."""
+def dense_q(drafts: list[list[int]], qs: list, vocab: int, device="cpu"):
+    """The ``[rows, width, vocab]`` float32 tensor vLLM's rejection sampler reads,
+    built on ``device`` from :func:`q_entries` (None where that is None)."""
     entries = q_entries(drafts, qs)
     if entries is None:
         return None
-    r, j, t, p = entries
-    out = np.zeros((len(drafts), max(len(d) for d in drafts), vocab), dtype=np.float32)
-    out[r, j, t] = p
+    import torch
+
+    out = torch.zeros((len(drafts), max(len(d) for d in drafts), vocab),
+                      dtype=torch.float32, device=device)
+    r, j, t, p = (torch.from_numpy(x).to(device) for x in entries)
+    out[r.long(), j.long(), t.long()] = p
     return out

@@ -106,8 +106,8 @@ def fix_cpu_expand_kernel() -> bool:
 NEW_REQUEST_HOOK = "_duo_new_request_hook"
 
 
-def find_proposer(runner):
-    """The proposer behind ``runner.drafter`` that has ``on_new_requests``, else None.
+def find_proposer(runner, method: str = "on_new_requests"):
+    """The proposer behind ``runner.drafter`` that has ``method``, else None.
 
     vLLM 0.32-0.33 store the custom class itself as ``runner.drafter``; other
     vLLM versions wrap it (``CustomClassProposer``) and keep it as the
@@ -115,7 +115,7 @@ def find_proposer(runner):
     """
     drafter = getattr(runner, "drafter", None)
     for candidate in (drafter, getattr(drafter, "user_proposer", None)):
-        if candidate is not None and callable(getattr(candidate, "on_new_requests", None)):
+        if candidate is not None and callable(getattr(candidate, method, None)):
             return candidate
     return None
 
@@ -222,9 +222,7 @@ def with_draft_probs(propose_draft_token_ids):
     @functools.wraps(propose_draft_token_ids)
     def _propose_draft_token_ids(self, *args, **kwargs):
         drafts = propose_draft_token_ids(self, *args, **kwargs)
-        drafter = getattr(self, "drafter", None)
-        owner = next((c for c in (drafter, getattr(drafter, "user_proposer", None))
-                      if callable(getattr(c, "take_last_draft_probs", None))), None)
+        owner = find_proposer(self, "take_last_draft_probs")
         if owner is None or getattr(self.speculative_config, "method", None) != "custom_class":
             return drafts
         try:

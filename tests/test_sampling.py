@@ -46,7 +46,7 @@ def test_draws_follow_q():
 
 def test_drafts_without_q_are_one_hot_and_no_q_at_all_is_none():
     q = [(np.array([3, 1]), np.array([0.75, 0.25], dtype=np.float32))]
-    dense = dense_q([[3], [2, 4], []], [q, None, None], vocab=5)
+    dense = dense_q([[3], [2, 4], []], [q, None, None], vocab=5).numpy()
     assert dense.shape == (3, 2, 5)
     assert list(dense[0, 0]) == [0, 0.25, 0, 0.75, 0]
     assert list(dense[1, 0]) == [0, 0, 1, 0, 0] and list(dense[1, 1]) == [0, 0, 0, 0, 1]
@@ -101,7 +101,7 @@ def case():
 
 
 def test_vllm_keeps_the_target_distribution_with_drawn_drafts_and_their_q(case):
-    dense = dense_q(case.drafts, [[case.q]] * N, V).reshape(N, V)
+    dense = dense_q(case.drafts, [[case.q]] * N, V).reshape(N, V).numpy()
     first = _vllm_rejection_sample([d[0] for d in case.drafts], dense, case.target)
     assert chisquare(np.bincount(first, minlength=V), case.p * N).pvalue > P_MIN
     # and a draft is accepted with probability sum(min(p, q)), more than p(x) alone
@@ -115,7 +115,7 @@ def test_vllm_keeps_the_target_distribution_with_drawn_drafts_and_their_q(case):
 def test_the_test_catches_a_q_the_drafts_were_not_drawn_from(case):
     ids = case.q[0]
     wrong = (ids, np.full(len(ids), 1.0 / len(ids), dtype=np.float32))  # uniform over them
-    dense = dense_q(case.drafts, [[wrong]] * N, V).reshape(N, V)
+    dense = dense_q(case.drafts, [[wrong]] * N, V).reshape(N, V).numpy()
     first = _vllm_rejection_sample([d[0] for d in case.drafts], dense, case.target)
     assert chisquare(np.bincount(first, minlength=V), case.p * N).pvalue < P_MIN
 
