@@ -30,9 +30,11 @@ Methods (2-core machine: DuoProposer's target on core 0, its draft on core 1):
   duo-nolookup duo-full without lookup drafts (the ablation)
   duo-argmax   duo-lend drafting the argmax for sampled requests too (no sampled_drafts:
                the ablation)
+  duo-lend-nolookup  duo-lend without lookup drafts
   duo-fullctx  duo-full with the draft seeing whole contexts (no draft_window)
   spec-empty   vLLM's speculative step with empty drafts (benchmarks/oracle.py), target on
                core 0: the floor of a proposer that turns drafting off
+  spec-empty-all  spec-empty with the target on every core (plain-all's floor)
   oracle       replays plain-1core's greedy output (benchmarks/oracle.py), target on
                core 0: perfect drafts at no cost, the ceiling
 """
@@ -68,12 +70,16 @@ METHODS = {
                                       "budget": "auto"}),
     "duo-argmax": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
                                         "budget": "auto", "sampled_drafts": False}),
+    "duo-lend-nolookup": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
+                                             "budget": "auto", "lookup": False}),
     "duo-nolookup": dict(bind="0", duo={"parallel": True, "multi_sequence": True,
                                         "budget": "auto", "lookup": False}),
     "duo-fullctx": dict(bind="0", duo={"parallel": True, "multi_sequence": True,
                                        "budget": "auto", "draft_window": 0}),
     "spec-empty": dict(bind="0", spec={"model": "benchmarks.oracle.EmptyProposer",
                                        "num_speculative_tokens": K}),
+    "spec-empty-all": dict(bind="0-1", spec={"model": "benchmarks.oracle.EmptyProposer",
+                                             "num_speculative_tokens": K}),
     "spec-ray": dict(bind="0", spec={"model": "benchmarks.oracle.RayEmptyProposer",
                                      "num_speculative_tokens": K}),
     "spec-actor": dict(bind="0", spec={"model": "benchmarks.oracle.ActorEmptyProposer",

@@ -233,14 +233,19 @@ class DraftWorker:
         self._wake.set()
         return len(contexts)
 
-    def pause(self) -> None:
+    def pause(self, wait: bool = False) -> None:
         """The gate turned drafting off: drop the background work queued (prompts to
         prefill, a stashed step, pre-drafts), so the draft core goes idle; its memory
         traffic would slow the target (benchmarks/contention.py). A decode call under
-        way ends first. The next propose() or prefetch() resumes from the state held."""
+        way ends first; with ``wait``, this returns once it has (the target is about to
+        run on the draft's cores). The next propose() or prefetch() resumes from the
+        state held."""
         with self._state:
             self._prompts, self._stash = [], None
             self._paused = True
+        if wait:
+            with self._lock:  # the background thread holds it for its decode calls
+                pass
 
     def _interrupted(self) -> bool:
         """A step is waiting for the drafter, or has left newer contexts."""

@@ -136,20 +136,25 @@ class ActorClient:
             return False
         return True
 
-    def pause(self) -> bool:
-        """Tell the actor the gate turned drafting off (it drops its background work);
-        never waits. Skipped while the actor is unhealthy (stalled, restarting or
-        gone). Unlike :meth:`prefetch` it is queued behind a late call, once: the
-        actor drops its work when that call ends, instead of pre-drafting for steps
-        that no longer ask (with lending, on the core the target now uses)."""
+    def pause(self, wait_s: float = 0.0) -> bool:
+        """Tell the actor the gate turned drafting off (it drops its background work).
+        With ``wait_s``, wait that long at most for the actor to say its draft core is
+        idle (a target about to run on that core would otherwise share it with the
+        decode call under way); else never waits. Skipped while the actor is
+        unhealthy (stalled, restarting or gone). Unlike :meth:`prefetch` it is queued
+        behind a late call, once: the actor drops its work when that call ends,
+        instead of pre-drafting for steps that no longer ask."""
         if not self.healthy:
             return False
         if self._pending is not None:
             if self._paused_behind is self._pending:  # already queued behind this call
                 return False
             self._paused_behind = self._pending
+            wait_s = 0.0  # behind a late call: not worth a wait
         try:
-            self.actor.pause.remote()
+            ref = self.actor.pause.remote(wait_s > 0)
+            if wait_s > 0:
+                self._ray.wait([ref], timeout=wait_s)
         except Exception:  # the actor is gone: the next propose() finds out and recovers
             return False
         return True

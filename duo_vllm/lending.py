@@ -18,7 +18,8 @@ the decision is here (:func:`lend_plan`); :class:`TargetThreads` applies it.
 vLLM-CPU's oneDNN matmuls keep one primitive per input shape, and oneDNN splits
 a primitive's work for the thread count of its first call: one first run while
 the target drafted on fewer threads runs on those few after the cores are lent
-back. :class:`MatmulPrimitives` empties those caches at each lend.
+back. :class:`MatmulPrimitives` empties those caches before a lent step that
+would run such a shape.
 """
 from __future__ import annotations
 
@@ -136,13 +137,18 @@ class MatmulPrimitives:
     runs are made anew, for every thread.
 
     A primitive made for one thread and run on two still runs on one: lent steps
-    at batch 1 ran at one-core speed once the engine had drafted. A primitive made
-    for two runs at one-thread speed on one, so drafting steps need nothing.
+    at batch 1 ran at one-core speed once the engine had drafted (0.80x plain
+    vLLM, against 0.93x with the caches emptied). A primitive made for two runs
+    at one-thread speed on one, so drafting steps need nothing.
     The caches key a shape by its rows, row stride and bias, not by threads;
     ``2 * capacity`` two-row inputs, each with a row stride no layer uses, evict
     every older entry (the first ``capacity`` are new each time: the last ones
-    pushed them out the time before). About 50 us each. Not the int8 layers
-    (``onednn_scaled_mm``: their cache keys no row stride).
+    pushed them out the time before). Each makes a primitive anew: 0.3-0.4 s in
+    all in vLLM's worker. So the caches are emptied only before a lent step that
+    would run a row count some step ran on fewer threads since they last were
+    (:meth:`before_step`): a wide batch lent after drafting at batch 1 runs row
+    counts drafting never made. Not the int8 layers (``onednn_scaled_mm``: their
+    cache keys no row stride).
     """
 
     def __init__(self, model, capacity: int = ONEDNN_CACHE):
@@ -152,10 +158,24 @@ class MatmulPrimitives:
         self.linears = onednn_linears(model)
         self.capacity = capacity
         self.refreshes = 0
+        self.fewer: set[int] = set()  # token rows run on fewer threads since the last refresh
+
+    def before_step(self, rows: int, lent: bool) -> bool:
+        """The target is about to run a step of ``rows`` token rows through its linear
+        layers, on every thread (``lent``) or fewer. Empties the caches first where
+        the step could reuse a primitive made on fewer threads (True)."""
+        if not lent:
+            self.fewer.add(rows)
+            return False
+        if rows not in self.fewer:
+            return False
+        self.refresh()
+        return True
 
     def refresh(self) -> None:
-        """At a lend, after the switch to every thread (counted in ``refreshes``)."""
+        """Empty the caches now, on every thread (counted in ``refreshes``)."""
         self.evict()
+        self.fewer.clear()
         self.refreshes += 1
 
     def evict(self) -> None:

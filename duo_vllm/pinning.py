@@ -112,11 +112,33 @@ def pin_ray_daemons(cores: list[int]) -> int:
     return pin_tree(pids, cores)
 
 
-def move_engine_core(cores: list[int], proc: str = PROC) -> int | None:
-    """Pin vLLM's engine core process, when it is this worker's parent, to ``cores``;
-    its pid, or ``None`` where the parent is no engine core (one process, GPU vLLM's
-    uniprocess executor, tests)."""
+def engine_core(proc: str = PROC) -> int | None:
+    """vLLM's engine core process, when it is this worker's parent; ``None`` where the
+    parent is no engine core (one process, GPU vLLM's uniprocess executor, tests)."""
     parent = os.getppid()
-    if not process_name(parent, proc).startswith(ENGINE_CORE_NAME):
-        return None
-    return parent if pin_threads(parent, cores, proc) else None
+    return parent if process_name(parent, proc).startswith(ENGINE_CORE_NAME) else None
+
+
+def move_engine_core(cores: list[int], proc: str = PROC) -> int | None:
+    """Pin vLLM's engine core process (:func:`engine_core`) to ``cores``; its pid, or
+    ``None`` where there is none."""
+    pid = engine_core(proc)
+    return pid if pid is not None and pin_threads(pid, cores, proc) else None
+
+
+class EngineCorePlace:
+    """vLLM's engine core beside a target that lends it the draft's cores: on those
+    cores while the draft drafts (off the target's), where vLLM left it while the
+    target runs on every core, as in plain vLLM.
+
+    Pinned to a core the target runs on too, its busy-polling took 3-4x the CPU
+    time it takes unpinned, on the core of one of the target's OpenMP threads
+    (batch 16, `benchmarks/README.md`).
+    """
+
+    def __init__(self, pid: int, drafting: list[int], proc: str = PROC):
+        self.pid, self.drafting, self.proc = pid, list(drafting), proc
+        self.free = sorted(os.sched_getaffinity(pid))  # vLLM's placement
+
+    def use(self, lent: bool) -> None:
+        pin_threads(self.pid, self.free if lent else self.drafting, self.proc)

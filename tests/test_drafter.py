@@ -575,6 +575,40 @@ def test_pause_drops_the_background_work_and_the_next_step_resumes():
         w.close()
 
 
+def test_a_pause_that_waits_returns_once_the_decode_call_under_way_has_ended():
+    import time
+
+    class Watched(SlowBackend):
+        busy = False
+
+        def decode(self, items):
+            self.busy = True
+            try:
+                return super().decode(items)
+            finally:
+                self.busy = False
+
+    from duo_vllm.actor import DraftWorker
+
+    be = Watched(0.01)
+    w = DraftWorker({"use_actor": False, "budget": 3, "multi_sequence": False}, "fake.gguf",
+                    None, k=3, backend_factory=lambda _: be)
+    freeze_timings(w.drafter, token_s=0.01, prefill_s=0.01)
+    try:
+        w.prefetch([ctx(*[(3 * i) % 50 for i in range(300)])])  # 64-token chunks: 0.64 s each
+        deadline = time.perf_counter() + 5
+        while not be.busy and time.perf_counter() < deadline:
+            time.sleep(0.005)
+        assert be.busy  # a chunk under way
+        t0 = time.perf_counter()
+        w.pause(wait=True)  # the target is about to take the draft's core
+        assert not be.busy and time.perf_counter() - t0 > 0.05  # it waited out the chunk
+        time.sleep(0.1)
+        assert not be.busy  # and nothing followed it
+    finally:
+        w.close()
+
+
 def test_a_window_prefills_only_the_last_tokens_of_a_long_prompt():
     be = FakeBackend()
     d = DuoDrafter(be, max_sequences=2, n_ctx=100, policy=serial(k=3), window=8)

@@ -129,6 +129,29 @@ def test_a_refresh_leaves_no_primitive_made_for_fewer_threads():
     assert {name for name, *_ in ops.calls[-3 * 8:]} == {"q0", "o0", "bf"}
 
 
+def test_the_caches_are_emptied_only_before_a_lent_step_that_could_reuse_a_one_thread_shape():
+    ops = FakeOps(capacity=8)
+    model = torch.nn.ModuleList([onednn_layer(ops, "q", 960, 576)])
+    prims = MatmulPrimitives(model, capacity=8)
+
+    def step(rows, lent):
+        ops.threads = 2 if lent else 1
+        remade = prims.before_step(rows, lent)
+        model[0].cpu_linear(torch.zeros(rows, 576), None, None)
+        return remade
+
+    for rows in (1, 3, 5, 3):  # drafting at batch 1: one thread
+        assert not step(rows, lent=False)
+    assert not step(4096, lent=True) and not step(16, lent=True)  # a wide batch, lent
+    assert not any(made == 1 for key, made in ops.caches[(960, 576, torch.float32)].items()
+                   if key[0] in (16, 4096))
+    assert prims.refreshes == 0
+    assert step(3, lent=True)  # the batch drained to a row count drafting made on one
+    assert prims.refreshes == 1 and ops.made_for() == {2}
+    assert not step(5, lent=True)  # emptied: nothing on one thread since
+    assert prims.refreshes == 1
+
+
 def test_one_row_inputs_would_not_evict_them():
     """Why the refresh uses two rows: reshape drops a one-row input's stride."""
     ops = FakeOps(capacity=4)
@@ -194,6 +217,19 @@ def test_steps_on_the_lent_cores_are_no_samples_of_the_drafting_step_time(clock)
     assert abs(p.step_time.cost(1).t0 - 0.060) < 2e-3
 
 
+def test_vllms_engine_core_sits_on_the_draft_cores_only_while_the_draft_drafts(clock):
+    p, calls = lending(FakeWorker())
+    places = []
+    p._engine_place = SimpleNamespace(use=places.append)
+    modes = iter([True, True, False, False, True])
+    p.gate.drafting = lambda b, sampled: next(modes)
+    sampled, n, ids = inputs([[1, 2]])
+    for _ in range(5):
+        p.propose(sampled, n, ids)
+    # moved at each switch of the target's threads, and only then
+    assert calls == [1, 2, 1] and places == [False, True, False]
+
+
 def test_a_draft_side_that_failed_lends_its_cores_back(clock):
     class Broken(FakeWorker):
         def propose(self, *a, **k):
@@ -210,8 +246,9 @@ def test_prompts_the_draft_will_not_draft_for_are_prefilled_on_the_lent_cores(cl
     class Pausing(FakeWorker):
         pauses = 0
 
-        def pause(self):
+        def pause(self, wait=False):
             self.pauses += 1
+            self.waited = wait
 
         def prefetch(self, prompts):
             raise AssertionError("no draft work where the gate will not draft")
@@ -228,6 +265,7 @@ def test_prompts_the_draft_will_not_draft_for_are_prefilled_on_the_lent_cores(cl
                            sampling_params=SimpleNamespace(temperature=0.0))] * 15
     p.on_new_requests(new, batch=16)
     assert calls == [1, 2] and w.pauses == 1  # the prefill of 16 runs on both cores
+    assert w.waited  # once the draft's decode call under way had ended
 
 
 def test_a_lending_proposer_remakes_the_targets_matmuls_at_each_lend_and_stops_if_that_fails(
@@ -249,6 +287,34 @@ def test_a_lending_proposer_remakes_the_targets_matmuls_at_each_lend_and_stops_i
     q = bare(FakeWorker())
     q.load_model(torch.nn.ModuleList([onednn_layer(FakeOps(), "q", 960, 576)]))
     assert q._primitives is None and q.stats()["matmul_remakes"] == 0
+
+
+def test_with_the_step_hook_a_lending_proposer_remakes_before_the_step_that_needs_it(clock):
+    ops = FakeOps()
+    p, calls = lending(FakeWorker())
+    p._hooked = True
+    p.load_model(torch.nn.ModuleList([onednn_layer(ops, "q", 960, 576)]))
+    assert p._threads.on_lend is None  # not at each lend
+    refreshes = p._primitives.refreshes
+    p._lend(False)
+    p.before_step(5)  # a drafting step of 5 token rows
+    p._lend(True)
+    p.before_step(64)  # lent, a wide step: nothing drafting made
+    assert p._primitives.refreshes == refreshes
+    clock.now, p._started_at = 1.0, 1.0
+    real = p._primitives.refresh
+
+    def slow_refresh():  # 7 ms of remaking, on the proposer's clock
+        real()
+        clock.now += 0.007
+
+    p._primitives.refresh = slow_refresh
+    p.before_step(5)  # lent, a row count drafting made: remade first
+    assert p._primitives.refreshes == refreshes + 1 and calls == [1, 2]
+    assert p._started_at == pytest.approx(1.007)  # no part of the step's time
+    p._primitives.before_step = None  # vLLM's internals moved under us: stops, says so
+    p.before_step(5)
+    assert not p._remaking
 
 
 def test_the_remake_is_no_part_of_the_next_steps_time_for_the_gates(clock):

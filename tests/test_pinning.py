@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from duo_vllm.pinning import descendants, off_target, pin_tree, process_name
+from duo_vllm.pinning import EngineCorePlace, descendants, off_target, pin_tree, process_name
 
 CPUS = sorted(os.sched_getaffinity(0))
 needs_two = pytest.mark.skipif(len(CPUS) < 2, reason="needs 2 CPUs")
@@ -66,6 +66,30 @@ def test_move_engine_core_pins_only_a_parent_named_as_vllms_engine_core():
             assert moved == pid and mask == f"[{CPUS[-1]}]"
         else:
             assert moved == "None" and mask == str(CPUS)
+
+
+@needs_two
+def test_engine_core_place_follows_the_lent_cores_and_returns_where_vllm_left_it():
+    script = textwrap.dedent("""
+        import threading, time
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+        print(flush=True)
+        time.sleep(60)
+    """)
+    engine = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        engine.stdout.readline()  # both threads started
+        tids = [int(t) for t in os.listdir(f"/proc/{engine.pid}/task")]
+        assert len(tids) == 2
+        place = EngineCorePlace(engine.pid, [CPUS[-1]])
+        assert place.free == CPUS
+        place.use(lent=False)  # the draft drafts: the engine core on its cores
+        assert all(os.sched_getaffinity(t) == {CPUS[-1]} for t in tids)
+        place.use(lent=True)  # the target has every core: back where vLLM left it
+        assert all(os.sched_getaffinity(t) == set(CPUS) for t in tids)
+    finally:
+        engine.kill()
+        engine.wait()
 
 
 def test_process_name_of_this_process_and_of_none():

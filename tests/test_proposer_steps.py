@@ -235,7 +235,7 @@ class PausingWorker(FakeWorker):
         super().__init__()
         self.pauses, self.prefetched = 0, []
 
-    def pause(self):
+    def pause(self, wait=False):
         self.pauses += 1
 
     def prefetch(self, prompts):
