@@ -35,6 +35,8 @@ Methods (2-core machine: DuoProposer's target on core 0, its draft on core 1):
   spec-empty   vLLM's speculative step with empty drafts (benchmarks/oracle.py), target on
                core 0: the floor of a proposer that turns drafting off
   spec-empty-all  spec-empty with the target on every core (plain-all's floor)
+  plain-all-iomp, duo-lend-iomp  plain-all and duo-lend with Intel OpenMP preloaded
+               (LD_PRELOAD of the venv's libiomp5.so, which vLLM-CPU's docs ask for)
   oracle       replays plain-1core's greedy output (benchmarks/oracle.py), target on
                core 0: perfect drafts at no cost, the ceiling
 """
@@ -78,6 +80,9 @@ METHODS = {
                                        "budget": "auto", "draft_window": 0}),
     "spec-empty": dict(bind="0", spec={"model": "benchmarks.oracle.EmptyProposer",
                                        "num_speculative_tokens": K}),
+    "plain-all-iomp": dict(bind="0-1", spec=None, iomp=True),
+    "duo-lend-iomp": dict(bind="0-1", iomp=True, duo={"parallel": True, "multi_sequence": True,
+                                                      "budget": "auto"}),
     "spec-empty-all": dict(bind="0-1", spec={"model": "benchmarks.oracle.EmptyProposer",
                                              "num_speculative_tokens": K}),
     "spec-ray": dict(bind="0", spec={"model": "benchmarks.oracle.RayEmptyProposer",
@@ -329,6 +334,11 @@ def run_method(name: str, target: str, prompts, tasks, args, workdir: Path,
     req_path.write_text(json.dumps(req))
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=METHODS[name]["bind"],
                VLLM_CPU_KVCACHE_SPACE="2")
+    if METHODS[name].get("iomp"):
+        iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
+        if not iomp.is_file():
+            return {"available": False, "reason": f"no {iomp} (pip install intel-openmp)"}
+        env["LD_PRELOAD"] = " ".join(filter(None, [str(iomp), env.get("LD_PRELOAD", "")]))
     if oracle_file is not None:
         env["DUO_ORACLE_FILE"] = str(oracle_file)
     log_path = workdir / f"{name}.log"
