@@ -186,8 +186,11 @@ class DuoProposer:
         if others:
             if self._threads is not None:  # lent now: it follows the cores (_lend)
                 engine = engine_core()
-                if engine is not None:
-                    self._engine_place = EngineCorePlace(engine, others)
+                try:  # best effort, as every placement here
+                    self._engine_place = None if engine is None else \
+                        EngineCorePlace(engine, others)
+                except OSError:
+                    engine = None
             else:
                 engine = move_engine_core(others)
             logger.info("DuoProposer: off the target's CPUs, on CPUs %s: %s", others, ", ".join(
