@@ -71,14 +71,15 @@ def test_greedy_output_equals_plain_vllm(combo, session_tmp, target_dir, specben
     assert stats["reused_tokens"] > 5 * stats["prefill_tokens"], stats
     if combo == "lend":  # started on both cores, gave core 1 to the draft when it drafted
         assert "lends CPU(s) [1]" in duo["log"], duo["log"][-3000:]
-        # the real model's oneDNN layers were found, to be remade at each lend (where
-        # this vLLM build runs linear layers through oneDNN)
+        # the real model's oneDNN layers were found, to be remade after a lend, before a
+        # lent step that would reuse a shape made on one thread (where this vLLM build
+        # runs linear layers through oneDNN): at most once a lend
         from vllm import _custom_ops
 
         if getattr(_custom_ops, "_supports_onednn", False):
             assert "oneDNN matmuls (5 weight shapes) are remade" in duo["log"], \
                 duo["log"][-3000:]
-            assert stats["matmul_remakes"] == stats["lend_switches"] // 2, stats  # each lend
+            assert stats["matmul_remakes"] <= (stats["lend_switches"] + 1) // 2, stats
         assert stats["lend_switches"] >= 1, stats
         return
     if duo_cfg.get("parallel", True):
