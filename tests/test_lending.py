@@ -46,10 +46,7 @@ def test_target_threads_switch_only_on_a_change_and_count_the_lent_steps():
     calls = []
     t = TargetThreads((4, 2), setter=calls.append)
     assert t.lent  # the target starts with its whole binding
-    t.use(True)
-    t.use(False)
-    t.use(False)
-    t.use(True)
+    assert [t.use(x) for x in (True, False, False, True)] == [False, True, False, True]
     assert calls == [2, 4] and t.switches == 2 and t.lent_steps == 2
 
 
