@@ -41,7 +41,7 @@ class StandInActor:
         self.decode_s: list[float] = []
 
     def propose(self, contexts, max_tokens, target_step_s=None, temperatures=None,
-                per_token_s=None, hints=None):
+                per_token_s=None, hints=None, remaining=None):
         t0 = time.perf_counter()
         if isinstance(contexts, Delta):
             full, resend = self.receiver.decode(contexts)

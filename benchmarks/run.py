@@ -72,6 +72,10 @@ METHODS = {
                                       "budget": "auto"}),
     "duo-argmax": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
                                         "budget": "auto", "sampled_drafts": False}),
+    # duo-lend from another source tree (DUO_BASE_SRC, say a git worktree of the last
+    # commit): a before/after in one run, against the same baselines
+    "duo-lend-base": dict(bind="0-1", base=True, duo={"parallel": True, "multi_sequence": True,
+                                                      "budget": "auto"}),
     "duo-lend-nolookup": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
                                              "budget": "auto", "lookup": False}),
     "duo-nolookup": dict(bind="0", duo={"parallel": True, "multi_sequence": True,
@@ -107,7 +111,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         return after
     d = {k: after.get(k, 0) - before.get(k, 0) for k in
          ("requests", "predraft_hits", "predraft_lookups", "steps", "returned_tokens",
-          "floor_steps", "no_slot", "probes", "gate_plain_steps", "gate_no_draft_steps", "lookup_rows",
+          "floor_steps", "no_slot", "probes", "short_lived", "gate_plain_steps", "gate_no_draft_steps", "lookup_rows",
           "propose_steps", "propose_total_s",
          "lookup_tokens_served", "lookup_tokens_accepted", "model_tokens_served",
          "model_tokens_accepted", "busy_s", "prefill_tokens", "predraft_tokens", "sync_tokens",
@@ -121,7 +125,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         "gate_no_draft_steps": d["gate_no_draft_steps"],
         "gate_tokens_per_s": after.get("gate_tokens_per_s"),
         "gate_log": after.get("gate_log"),
-        "no_slot": d["no_slot"], "probes": d["probes"],
+        "no_slot": d["no_slot"], "probes": d["probes"], "short_lived": d["short_lived"],
         "sources": {src: {"served": d[f"{src}_tokens_served"],
                           "accepted": d[f"{src}_tokens_accepted"]} for src in ("lookup", "model")},
         "lookup_rows": d["lookup_rows"],
@@ -341,12 +345,19 @@ def run_method(name: str, target: str, prompts, tasks, args, workdir: Path,
         env["LD_PRELOAD"] = " ".join(filter(None, [str(iomp), env.get("LD_PRELOAD", "")]))
     if oracle_file is not None:
         env["DUO_ORACLE_FILE"] = str(oracle_file)
+    cwd = None
+    if METHODS[name].get("base"):  # that tree's duo_vllm and benchmarks, in the engine too
+        cwd = os.environ.get("DUO_BASE_SRC")
+        if not cwd or not (Path(cwd) / "duo_vllm").is_dir():
+            return {"available": False, "reason": "DUO_BASE_SRC names no source tree"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, env.get("PYTHONPATH", "")]))
     log_path = workdir / f"{name}.log"
     t0 = time.time()
     with open(log_path, "w") as log:
         proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--worker",
-                               str(req_path), str(out_path)], env=env, stdout=log,
-                              stderr=subprocess.STDOUT, timeout=args.method_timeout)
+                               str(req_path.resolve()), str(out_path.resolve())], env=env,
+                              stdout=log, stderr=subprocess.STDOUT, timeout=args.method_timeout,
+                              cwd=cwd)
     if proc.returncode != 0:
         return {"available": False, "reason": _failure_reason(log_path.read_text()),
                 "spec": req["spec"], "log": str(log_path)}
@@ -400,7 +411,7 @@ def summarise(results: dict) -> dict:
                 entry["predraft_hit_rate"] = s["duo"].get("predraft_hit_rate")
                 entry["branch_hit_rate"] = s["duo"].get("branch_hit_rate")
                 entry["controller"] = {k: s["duo"].get(k) for k in (
-                    "floor_fraction", "chosen_lengths", "no_slot", "probes",
+                    "floor_fraction", "chosen_lengths", "no_slot", "probes", "short_lived",
                     "draft_call_ms_by_width", "verify_token_ms", "target_step_ms_by_batch",
                     "acceptance", "propose_wait_ms", "lock_wait_ms", "actor_propose_ms", "sync_calls",
                     "lookup_misses", "sync_ms_per_draft_step", "gate_plain_steps", "gate_no_draft_steps",
@@ -500,7 +511,8 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                          f"{_f(c.get('propose_ms_per_step'), '{:.1f}')} ms/step, draft core busy "
                          f"{_f(c.get('draft_busy_s'), '{:.1f}')} s (measured "
                          f"tokens/s by batch bucket {_rates(c.get('gate_tokens_per_s'))}), "
-                         f"rows without a slot {c['no_slot']}, probes {c['probes']}; "
+                         f"rows without a slot {c['no_slot']}, probes {c['probes']}, rows "
+                         f"not caught up (they would end first) {c.get('short_lived', 0)}; "
                          f"measured: draft call ms by width {{{widths}}}, target step ms "
                          f"{{{steps}}}, verify {_f(c.get('verify_token_ms'), '{:.1f}')} ms/token, "
                          f"acceptance {c['acceptance']}; vLLM waited "

@@ -131,7 +131,7 @@ class DraftWorker:
         return self.backend.token_texts()
 
     def propose(self, contexts, max_tokens, target_step_s=None, temperatures=None,
-                per_token_s=None, hints=None) -> list[list[int]]:
+                per_token_s=None, hints=None, remaining=None) -> list[list[int]]:
         """Drafts for one vLLM step (arguments: see :meth:`DuoDrafter.propose`).
 
         ``contexts`` is a list of full contexts, or a :class:`~duo_vllm.delta.Delta`
@@ -148,15 +148,15 @@ class DraftWorker:
         t_in = time.perf_counter()
         try:
             return self._propose_delta(contexts, max_tokens, target_step_s, temperatures,
-                                       per_token_s, hints)
+                                       per_token_s, hints, remaining)
         finally:
             self._handler_s += time.perf_counter() - t_in
 
     def _propose_delta(self, contexts, max_tokens, target_step_s, temperatures, per_token_s,
-                       hints):
+                       hints, remaining=None):
         if not isinstance(contexts, Delta):
             return self._propose(contexts, max_tokens, target_step_s, temperatures,
-                                 per_token_s, hints)
+                                 per_token_s, hints, remaining)
         # decoded before anything else, stash or not: the next step's delta builds on it
         full, resend = self._contexts.decode(contexts)
         rows = [i for i, c in enumerate(full) if c is not None]
@@ -166,18 +166,20 @@ class DraftWorker:
 
         drafts: list = [[] for _ in full]
         qs: list = [None] * len(full)
+        idle = False
         if rows:
             got = self._propose(pick(full), pick(max_tokens), target_step_s,
-                                pick(temperatures), per_token_s, pick(hints))
+                                pick(temperatures), per_token_s, pick(hints), pick(remaining))
+            idle = getattr(got, "idle", False)
             for j, (i, d) in enumerate(zip(rows, got)):
                 drafts[i] = d
                 qs[i] = got.q[j] if isinstance(got, Drafts) and got.q else None
         if not any(q is not None for q in qs):
             qs = None
-        return Drafts(drafts, resend, qs) if resend or qs else drafts
+        return Drafts(drafts, resend, qs, idle) if resend or qs or idle else drafts
 
     def _propose(self, contexts, max_tokens, target_step_s, temperatures, per_token_s,
-                 hints) -> list[list[int]]:
+                 hints, remaining=None) -> list[list[int]]:
         with self._state:
             self._waiting += 1
             self._paused = False
@@ -190,7 +192,7 @@ class DraftWorker:
             self._waiting -= 1
             if not got:
                 self._stash = (contexts, max_tokens, target_step_s, temperatures, per_token_s,
-                               hints)
+                               hints, remaining)
                 self.drafter.stats.skipped_busy += 1
         if not got:
             self._wake.set()
@@ -200,15 +202,23 @@ class DraftWorker:
                 self._stash = None  # superseded by this step
             drafts = self.drafter.propose(contexts, max_tokens, target_step_s,
                                           temperatures=temperatures, per_token_s=per_token_s,
-                                          hints=hints)
-            if any(q is not None for q in self.drafter.last_q):  # drawn: with their q
-                drafts = Drafts(drafts, q=self.drafter.last_q)
+                                          hints=hints, remaining=remaining)
+            drawn = any(q is not None for q in self.drafter.last_q)
+            idle = self._idle()
+            if drawn or idle:  # drawn: with their q; idle: the cores are free for the step
+                drafts = Drafts(drafts, q=self.drafter.last_q if drawn else None, idle=idle)
             self._deadline = self.drafter.deadline_after(time.perf_counter())
         finally:
             self._lock.release()
         if self._thread is not None:
             self._wake.set()
         return drafts
+
+    def _idle(self) -> bool:
+        """Nothing queued for the background thread (pre-drafts, prompts, a stashed
+        step): the draft's cores idle until the next step. Read under the lock."""
+        with self._state:
+            return not self.drafter.jobs and not self._prompts and self._stash is None
 
     def _patience(self, target_step_s) -> float:
         """How long a step may wait for the drafter (the decode call under way)."""
@@ -272,10 +282,10 @@ class DraftWorker:
                         stash, self._stash = self._stash, None
                         prompts, self._prompts = self._prompts, []
                     if stash is not None:  # a step that went without a draft
-                        contexts, max_tokens, step, temps, per_token, hints = stash
+                        contexts, max_tokens, step, temps, per_token, hints, remaining = stash
                         self.drafter.propose(contexts, max_tokens, step, serve=False,
                                              temperatures=temps, per_token_s=per_token,
-                                             hints=hints)
+                                             hints=hints, remaining=remaining)
                         self._deadline = None
                     if prompts and self.drafter.prefetch(prompts):
                         self._deadline = None  # the target's prefill is no step

@@ -38,13 +38,16 @@ class Delta(NamedTuple):
 class Drafts(list):
     """A step's drafts (a list, one per row), the keys the receiver lacked and, for
     drafts drawn from the draft's distribution, each row's q per token (None for
-    the others; :mod:`duo_vllm.sampling`). A step with neither returns a plain
-    list (it pickles faster)."""
+    the others; :mod:`duo_vllm.sampling`); ``idle``: the draft side has no work
+    left to run while the target runs the step (no pre-draft, no prefill), so its
+    cores are free for the step. A step with none of these returns a plain list
+    (it pickles faster)."""
 
-    def __init__(self, drafts=(), resend=(), q=None):
+    def __init__(self, drafts=(), resend=(), q=None, idle: bool = False):
         super().__init__(drafts)
         self.resend = list(resend)
         self.q = q
+        self.idle = idle
 
 
 def _extends(ctx: np.ndarray, prev: np.ndarray) -> bool:

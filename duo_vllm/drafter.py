@@ -30,8 +30,8 @@ from .branching import (
 )
 from .lookup import Hint, serve as serve_rule
 from .goodput import (
-    PROBE_EVERY, Acceptance, DraftTimeModel, TargetCost, expected_accepted, plan_predraft,
-    plan_served, plan_sync, regime,
+    PROBE_EVERY, Acceptance, DraftTimeModel, TargetCost, catch_up_pays, expected_accepted,
+    plan_predraft, plan_served, plan_sync, regime,
 )
 from .sampling import draft_q, sample_q
 from .state import Assignment, Slot, SlotPool, common_prefix_len
@@ -82,6 +82,7 @@ class _Row:
     branch: Branch | None  # the pre-drafted branch that continues ctx (a hit)
     catch_up: int  # tokens to evaluate before drafting (a miss)
     background: bool  # a miss too far behind to draft now: prefilled in the background
+    remaining: int | None = None  # tokens the request may still generate (None: unknown)
 
     @property
     def available(self) -> int:
@@ -176,7 +177,8 @@ class DuoDrafter:
                 target_step_s: float | None = None, serve: bool = True,
                 temperatures: list[float] | None = None,
                 per_token_s: float | None = None,
-                hints: list[Hint | None] | None = None) -> list[list[int]]:
+                hints: list[Hint | None] | None = None,
+                remaining: list[int | None] | None = None) -> list[list[int]]:
         """Drafts for one step; queues the pre-draft of the next when ``parallel``.
 
         ``target_step_s`` and ``per_token_s`` are the target's T₀(B) and c
@@ -189,6 +191,8 @@ class DuoDrafter:
         proposer will serve, :func:`duo_vllm.lookup.serve` of its own draft
         and the hint (the same pure function, the same inputs), so a served
         lookup continuation finds its next step's branches ready.
+        ``remaining``: the tokens each request may still generate (its
+        ``max_tokens`` left), where the proposer knows them.
         """
         t0 = time.perf_counter()
         st = self.stats
@@ -204,7 +208,7 @@ class DuoDrafter:
         temps = [0.0] * len(contexts) if temperatures is None else [float(x) for x in temperatures]
         out: list[list[int]] = [[] for _ in contexts]
         qs: dict = {}  # row -> the q of each token of its draft, where all were drawn
-        rows = self._rows(contexts, max_tokens, temps, serve)
+        rows = self._rows(contexts, max_tokens, temps, serve, remaining)
         hits = [r for r in rows if r.branch is not None]
         misses = [r for r in rows if r.branch is None and not r.background]
         served, (chosen, depth) = self._plan_step(len(contexts), hits, misses, cost, hints)
@@ -254,10 +258,11 @@ class DuoDrafter:
                 self.stats.lookup_predrafts += 1
         return served, p_all
 
-    def _rows(self, contexts, max_tokens, temps, serve: bool) -> list[_Row]:
+    def _rows(self, contexts, max_tokens, temps, serve: bool, remaining=None) -> list[_Row]:
         """Match each request to its slot; find its pre-drafted branch, or what it lacks."""
         st, policy = self.stats, self.policy
         rows = []
+        left = [None] * len(contexts) if remaining is None else remaining
         for row, (ctx, k, a, temp) in enumerate(zip(contexts, max_tokens,
                                                     self.pool.assign(contexts), temps)):
             if a is not None and self.pool.window and len(a.view) + policy.k + 2 >= self.n_ctx:
@@ -288,7 +293,7 @@ class DuoDrafter:
                     slot.queued = ctx  # a prompt for the background: the slot's name till then
                     slot.queued_at = self.pool.clock
             rows.append(_Row(row, slot, ctx, k, temp, self.acceptance.alpha(slot.seq_id, reg),
-                             tree, branch, catch_up, background))
+                             tree, branch, catch_up, background, left[row]))
         return rows
 
     def _plan_step(self, batch: int, hits: list[_Row], misses: list[_Row], cost: TargetCost,
@@ -490,6 +495,12 @@ class DuoDrafter:
                         <= self.PROBE_CATCH_UP_STEPS * cost.t0:
                     depths[i] = 1
                     self.stats.probes += 1
+                # a request that ends before the draft could catch up: left to the target
+                # (and its cores, lent while the draft has nothing to run)
+                if depths[i] and r.background and not catch_up_pays(
+                        r.catch_up, self.prefill_s.get(0.006), r.remaining, cost.t0):
+                    depths[i] = 0
+                    self.stats.short_lived += 1
         for r, p, m in zip(rows, prefixes, depths):
             if m > 0:  # a request planned no draft is not even caught up
                 self.jobs.append(_Job(r.slot.seq_id, p, m, r.temperature))

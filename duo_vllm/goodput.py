@@ -135,6 +135,22 @@ def plan_sync(alphas: Sequence[float], caps: Sequence[int], catch_up: Sequence[i
     return best
 
 
+CATCH_UP_SHARE = 0.5  # the most of a request's remaining life its draft's catch-up may take
+
+
+def catch_up_pays(tokens: int, prefill_s: float, remaining: int | None,
+                  step_s: float) -> bool:
+    """Start a background catch-up of ``tokens`` context tokens (``prefill_s`` each on
+    the draft) for a request with ``remaining`` tokens left to generate (``None``:
+    unknown), at ``step_s`` per target step? The draft serves the request nothing
+    until it has caught up, while the request decodes one token a step at least: the
+    catch-up must end well within what is left of it (a request the draft never saw,
+    at the tail of a batch that drained from one where drafting was off)."""
+    if remaining is None:
+        return True
+    return tokens * prefill_s <= CATCH_UP_SHARE * max(remaining, 0) * step_s
+
+
 def predraft_time(depths: Sequence[int], catch_up: Sequence[int],
                   draft_time: Callable[[int], float]) -> float:
     """Draft time of a pre-draft: one catch-up call, then one call per depth level."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections import OrderedDict
 from typing import Callable
 
 from .host import parse_cpu_list
@@ -148,10 +149,11 @@ class MatmulPrimitives:
     every older entry (the first ``capacity`` are new each time: the last ones
     pushed them out the time before). Each makes a primitive anew: 0.3-0.4 s in
     all in vLLM's worker. So the caches are emptied only before a lent step that
-    would run a row count some step ran on fewer threads since they last were
-    (:meth:`before_step`): a wide batch lent after drafting at batch 1 runs row
-    counts drafting never made. Not the int8 layers (``onednn_scaled_mm``: their
-    cache keys no row stride).
+    would reuse a primitive made on fewer threads (:meth:`before_step`), as an LRU
+    model of the caches, keyed by the steps' token rows, tells: a wide batch lent
+    after drafting at batch 1 runs row counts drafting never made, and a row count
+    first run lent keeps its primitive for every thread through drafting steps.
+    Not the int8 layers (``onednn_scaled_mm``: their cache keys no row stride).
     """
 
     def __init__(self, model, capacity: int = ONEDNN_CACHE):
@@ -161,24 +163,34 @@ class MatmulPrimitives:
         self.linears = onednn_linears(model)
         self.capacity = capacity
         self.refreshes = 0
-        self.fewer: set[int] = set()  # token rows run on fewer threads since the last refresh
+        # the caches as the steps since the last refresh left them, an LRU like vLLM's:
+        # token rows -> whether its primitive was made on every thread
+        self.made: OrderedDict[int, bool] = OrderedDict()
+
+    def needs_refresh(self, rows: int) -> bool:
+        """Would a lent step of ``rows`` token rows reuse a primitive made on fewer
+        threads?"""
+        return self.made.get(rows) is False
 
     def before_step(self, rows: int, lent: bool) -> bool:
         """The target is about to run a step of ``rows`` token rows through its linear
         layers, on every thread (``lent``) or fewer. Empties the caches first where
-        the step could reuse a primitive made on fewer threads (True)."""
-        if not lent:
-            self.fewer.add(rows)
-            return False
-        if rows not in self.fewer:
-            return False
-        self.refresh()
-        return True
+        the step would reuse a primitive made on fewer threads (True)."""
+        refresh = lent and self.needs_refresh(rows)
+        if refresh:
+            self.refresh()
+        if rows in self.made:  # a hit keeps the primitive, whatever the threads now
+            self.made.move_to_end(rows)
+        else:
+            self.made[rows] = lent
+            while len(self.made) > self.capacity:
+                self.made.popitem(last=False)
+        return refresh
 
     def refresh(self) -> None:
         """Empty the caches now, on every thread (counted in ``refreshes``)."""
         self.evict()
-        self.fewer.clear()
+        self.made.clear()
         self.refreshes += 1
 
     def evict(self) -> None:

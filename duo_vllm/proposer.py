@@ -344,21 +344,23 @@ class DuoProposer:
                 self._pause_draft()
             self._lookups_on, self._lookup_trial = self._lookup_mode(len(rows))
         lookups = self._lookups(keys, contexts, lookup_caps, serve=self._lookups_on)
-        if self._threads is not None:  # the draft side gave up for good: lend for good
-            self._lend(not self._on or getattr(self._client, "disabled", False))
+        if not self._on or getattr(self._client, "disabled", False):
+            self._lend(True)  # the draft side gave up for good: lend for good
         if not self._on:  # the draft model does not pay at this batch size: no draft work
             return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, None)
         cost = self.step_time.cost(len(rows))
         step_s, per_token_s = (None, None) if cost is None else (cost.t0, cost.per_token)
         hints = self._hints(keys, temps_or_0, lookups)
+        remaining = self._remaining(rows, num_tokens_no_spec)
         t0 = time.perf_counter()
         try:
-            result = self._draft(keys, contexts, budgets, step_s, temps, per_token_s, hints)
+            result = self._draft(keys, contexts, budgets, step_s, temps, per_token_s, hints,
+                                 remaining)
         finally:
             self._returned_at = time.perf_counter()
             self._calls += 1
             self._wait_s += self._returned_at - t0
-        qs = None
+        qs, idle = None, getattr(result, "idle", False)
         if result is not None:
             qs = getattr(result, "q", None) or [None] * len(result)
             # (the draft's ids are the target's, by check_vocab: nothing is cut here)
@@ -366,8 +368,27 @@ class DuoProposer:
                       for d, k in zip(result, budgets)]
             qs = [q[:len(d)] if q is not None and d else None for q, d in zip(qs, result)]
         # result None: the draft side is slow, restarting or gone (lookups only)
-        return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, result, hints,
-                           qs)
+        drafts = self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, result, hints,
+                             qs)
+        if self._threads is not None and not getattr(self._client, "disabled", False):
+            self._lend(self._free_cores(idle, drafts, partial))
+        return drafts
+
+    def _free_cores(self, idle: bool, drafts, partial: bool) -> bool:
+        """Drafting is on, and the draft side has nothing to run while the target runs
+        this step (``idle``: no pre-draft, no prefill; say, a request it holds
+        nothing of, too far behind to catch up, or one where no draft pays): its cores
+        are lent for the step. Not where that step's row count ran on fewer threads
+        (a full-width step would need the oneDNN matmuls remade first, 0.3-0.4 s),
+        nor where it cannot be told (a partial prefill in the step)."""
+        if not idle or partial:
+            return False
+        if self._primitives is None or not self._remaking:
+            return True
+        if not self._hooked:  # remade at each lend: only from a lent step on
+            return self._threads.lent
+        rows = len(drafts) + sum(len(d) for d in drafts)  # the step's token rows
+        return not self._primitives.needs_refresh(rows)
 
     def _lend(self, lend: bool) -> None:
         """The next step runs the target on the draft's cores too (``lend``), or not."""
@@ -459,6 +480,22 @@ class DuoProposer:
         request's sampling settings."""
         self._runner = runner
 
+    def _remaining(self, rows: list[int], num_tokens_no_spec) -> list[int | None] | None:
+        """Each row's tokens left to generate (its ``max_tokens`` less its output so far,
+        from vLLM's request states), ``None`` where unknown."""
+        ids = getattr(getattr(self._runner, "input_batch", None), "req_ids", None)
+        states = getattr(self._runner, "requests", None)
+        if not ids or not states:
+            return None
+        out = []
+        for i in rows:
+            state = states.get(ids[i]) if i < len(ids) else None
+            limit = getattr(getattr(state, "sampling_params", None), "max_tokens", None)
+            prompt = getattr(state, "num_prompt_tokens", None)
+            out.append(None if limit is None or prompt is None else
+                       max(0, int(limit) - (int(num_tokens_no_spec[i]) - int(prompt))))
+        return out
+
     def _temperatures(self, rows: list[int]) -> list[float] | None:
         temps = getattr(getattr(self._runner, "input_batch", None), "temperature_cpu", None)
         if temps is None:
@@ -505,9 +542,11 @@ class DuoProposer:
         if not prompts:
             return
         if self._client is not None:
-            self._client.prefetch(prompts)
+            sent = self._client.prefetch(prompts)
         else:
-            self._worker.prefetch(prompts)
+            sent = bool(self._worker.prefetch(prompts))  # 0: serial, nothing in the background
+        if sent:  # the draft prefills them beside the target's prefill, on its own cores
+            self._lend(False)
 
     def _will_draft(self, new_reqs, batch: int | None) -> bool:
         """Will the gate draft for the batch these new requests join (``batch``, else the
@@ -542,7 +581,7 @@ class DuoProposer:
             logger.debug("DuoProposer: pause failed (%s: %s)", type(e).__name__, e)
 
     def _draft(self, keys, contexts, budgets, step_s, temps=None, per_token_s=None,
-               hints=None) -> list[list[int]] | None:
+               hints=None, remaining=None) -> list[list[int]] | None:
         """The draft side's drafts, or None. The contexts go as deltas against what the
         draft side holds (it keeps each request's context): O(new tokens) per row."""
         restarts = self._client.restarts if self._client is not None else 0
@@ -552,10 +591,12 @@ class DuoProposer:
         delta = self._sender.encode(keys, contexts)
         result = None
         if self._client is not None:
-            result = self._client.propose(delta, budgets, step_s, temps, per_token_s, hints)
+            result = self._client.propose(delta, budgets, step_s, temps, per_token_s, hints,
+                                          remaining)
         else:
             try:
-                result = self._worker.propose(delta, budgets, step_s, temps, per_token_s, hints)
+                result = self._worker.propose(delta, budgets, step_s, temps, per_token_s, hints,
+                                              remaining)
             except Exception as e:  # the draft side must never take the request down
                 self._failed = True
                 logger.warning("DuoProposer: draft side failed (%s: %s); falling back to plain "
@@ -588,7 +629,9 @@ class DuoProposer:
         predicted = self.step_time.predict(batch, extra)
         if predicted is not None and sample > 3 * predicted:
             return
-        if not lent:  # T(B, e) is the target's step on its own cores, the one drafting sees
+        # T(B, e) is the step drafting sees: on the target's own cores, or, where nothing
+        # drafts in the background (serial), on every core (each step is lent, _free_cores)
+        if not lent or not self.config.parallel:
             self.step_time.observe(batch, extra, sample)
         if produced is not None and started is not None:
             # at batch 1 the gates judge a trial against the other mode on the same request

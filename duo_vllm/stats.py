@@ -42,6 +42,7 @@ class DraftStats:
     floor_steps: int = 0  # steps the controller chose plain decoding for every request
     no_slot: int = 0  # request-steps left to plain decoding: every draft slot was in use
     probes: int = 0  # drafts made only to re-measure acceptance
+    short_lived: int = 0  # request-steps not caught up: it would end before the draft did
     lookup_predrafts: int = 0  # pre-drafts planned from the end of a served lookup draft
     lookup_misses: int = 0  # pre-draft misses served their lookup draft, no draft on the spot
     errors: int = 0
@@ -76,6 +77,7 @@ class DraftStats:
             "floor_fraction": self.floor_steps / self.steps if self.steps else 0.0,
             "no_slot": self.no_slot,
             "probes": self.probes,
+            "short_lived": self.short_lived,
             "lookup_predrafts": self.lookup_predrafts,
             "lookup_misses": self.lookup_misses,
             "errors": self.errors,

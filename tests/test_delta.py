@@ -209,7 +209,8 @@ def test_the_worker_gives_the_drafter_full_contexts_and_drafts_as_before():
     ctx = [np.arange(1, 12, dtype=np.int32), np.arange(20, 35, dtype=np.int32)]
     for _ in range(4):
         drafts = w.propose(sender.encode(["a", "b"], ctx), [3, 3], 0.05)
-        assert type(drafts) is list  # as before: nothing to resend
+        # nothing to resend; serial: nothing runs beside the target's step (its cores idle)
+        assert drafts.resend == [] and drafts.idle
         assert drafts == [be.chain(int(c[-1]), 3) for c in ctx]
         for got, want in zip(seen[-1], ctx):
             np.testing.assert_array_equal(got, want)

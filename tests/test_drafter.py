@@ -275,6 +275,29 @@ def test_controller_never_probes_a_row_whose_prompt_is_not_evaluated():
     assert d.stats.probes == 0 and be.decode_calls == 0
 
 
+def test_a_request_that_ends_before_the_draft_could_catch_up_is_left_to_the_target():
+    """The tail of a batch that drained from a size where drafting was off: the draft
+    holds nothing of the requests left, and catching up on 150 tokens (0.9 s) takes
+    longer than a request with 10 tokens to go lives (0.5 s): nothing is queued."""
+    be, d = make(auto(), n_ctx=1000)
+    d.draft_time = FixedDraftTime(0.001)
+    freeze_timings(d, token_s=0.015, prefill_s=0.006)
+    seq = [(7 * i) % 50 for i in range(150)]
+    assert d.propose([ctx(*seq)], [4], target_step_s=0.05, per_token_s=0.002,
+                     remaining=[10]) == [[]]
+    assert d.jobs == [] and d.stats.short_lived == 1 and be.decode_calls == 0
+    # the same request with 100 tokens to go (5 s): caught up in the background
+    assert d.propose([ctx(*seq, 1)], [4], target_step_s=0.05, per_token_s=0.002,
+                     remaining=[100]) == [[]]
+    assert len(d.jobs) == 1 and d.stats.short_lived == 1
+    # unknown: as before, caught up
+    be, d = make(auto(), n_ctx=1000)
+    d.draft_time = FixedDraftTime(0.001)
+    freeze_timings(d, token_s=0.015, prefill_s=0.006)
+    d.propose([ctx(*seq)], [4], target_step_s=0.05, per_token_s=0.002)
+    assert len(d.jobs) == 1
+
+
 def test_controller_serves_more_to_requests_that_accept_more():
     be, d = make(auto(), seqs=2)
     d.draft_time = FixedDraftTime(0.002)
@@ -605,6 +628,31 @@ def test_a_pause_that_waits_returns_once_the_decode_call_under_way_has_ended():
         assert not be.busy and time.perf_counter() - t0 > 0.05  # it waited out the chunk
         time.sleep(0.1)
         assert not be.busy  # and nothing followed it
+    finally:
+        w.close()
+
+
+def test_the_worker_says_when_nothing_runs_in_the_background_during_the_step():
+    be, w = slow_worker(0.0)
+    try:
+        seq = ctx(*range(1, 12))
+        drafts = w.propose([seq], [3], 0.05)  # a pre-draft queued for the next step
+        assert not getattr(drafts, "idle", False)
+        assert w.wait_idle(timeout=5)
+
+        def plan_nothing(*args, **kwargs):  # the controller plans no pre-draft
+            w.drafter.jobs = []
+
+        w.drafter._plan_jobs = plan_nothing
+        seq = np.append(seq, np.int32(be.next_token(int(seq[-1]))))
+        drafts = w.propose([seq], [3], 0.05)
+        assert drafts.idle and drafts == [be.chain(int(seq[-1]), 3)]  # served, then idle
+        assert w._idle()
+        w._prompts = [ctx(*range(30, 90))]  # a prompt queued for the background thread
+        assert not w._idle()
+        w._prompts, w._stash = [], ("a step's contexts",)  # a step left for it
+        assert not w._idle()
+        w._stash = None
     finally:
         w.close()
 

@@ -3,7 +3,7 @@
 import pytest
 
 from duo_vllm.goodput import (
-    Acceptance, DraftTimeModel, StepTimeModel, TargetCost, expected_accepted,
+    Acceptance, DraftTimeModel, StepTimeModel, TargetCost, catch_up_pays, expected_accepted,
     plan_predraft,
     plan_served, plan_sync, predraft_time, regime,
 )
@@ -185,3 +185,12 @@ def test_acceptance_per_request_and_regime():
     assert acc.alpha("c", "greedy") > 0.8 and acc.alpha("c", "sampled") < 0.3
     acc.forget("a")
     assert acc.alpha("a", "greedy") == acc.alpha("c", "greedy")
+
+
+def test_a_catch_up_pays_only_well_within_what_is_left_of_the_request():
+    # 300 tokens at 10 ms: 3 s of draft before its first draft token
+    assert not catch_up_pays(300, 0.010, 20, 0.15)  # 20 tokens to go: 3 s at most
+    assert catch_up_pays(300, 0.010, 40, 0.15)  # 6 s at most: half of it is the catch-up
+    assert not catch_up_pays(300, 0.010, 39, 0.15)
+    assert catch_up_pays(300, 0.010, None, 0.15)  # unknown: caught up, as a long request
+    assert not catch_up_pays(1, 0.010, 0, 0.15) and catch_up_pays(0, 0.010, 0, 0.15)

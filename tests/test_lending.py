@@ -149,6 +149,33 @@ def test_the_caches_are_emptied_only_before_a_lent_step_that_could_reuse_a_one_t
     assert prims.refreshes == 1
 
 
+def test_a_row_count_first_run_lent_or_long_out_of_the_cache_needs_no_refresh():
+    ops = FakeOps(capacity=4)
+    model = torch.nn.ModuleList([onednn_layer(ops, "q", 960, 576)])
+    prims = MatmulPrimitives(model, capacity=4)
+    cache = ops.caches.setdefault((960, 576, torch.float32), OrderedDict())
+
+    def step(rows, lent):
+        ops.threads = 2 if lent else 1
+        remade = prims.before_step(rows, lent)
+        model[0].cpu_linear(torch.zeros(rows, 576), None, None)
+        return remade
+
+    assert not step(3, lent=True)  # made for every thread
+    assert not step(3, lent=False)  # reused on one: still the primitive for two
+    assert not prims.needs_refresh(3) and not step(3, lent=True)
+    assert not step(5, lent=False)  # made for one thread
+    assert prims.needs_refresh(5)
+    for rows in (6, 7, 8, 9):  # four newer shapes push it out of the LRU
+        assert not step(rows, lent=True)
+    assert (5, 576, False) not in cache and not prims.needs_refresh(5)
+    assert not step(5, lent=True) and prims.refreshes == 0
+    assert cache[(5, 576, False)] == 2  # made anew, for every thread
+    # the model and the caches agree: a refresh only where a one-thread primitive is hit
+    assert not step(10, lent=False) and step(10, lent=True) and prims.refreshes == 1
+    assert ops.made_for() == {2}
+
+
 def test_one_row_inputs_would_not_evict_them():
     """Why the refresh uses two rows: reshape drops a one-row input's stride."""
     ops = FakeOps(capacity=4)
@@ -237,6 +264,69 @@ def test_a_draft_side_that_failed_lends_its_cores_back(clock):
     assert p.propose(sampled, n, ids) == [[]]  # drafting: 1 thread, then the side fails
     assert p.propose(sampled, n, ids) == [[]]  # plain decoding for good, on both cores
     assert calls == [1, 2] and p._threads.lent
+
+
+class IdleWorker(FakeWorker):
+    """Drafts ``drafts``; ``idle``: nothing left for its background thread."""
+
+    idle = True
+
+    def prefetch(self, prompts):
+        self.prefetched = prompts
+        return len(prompts)
+
+    def propose(self, *args, **kwargs):
+        from duo_vllm.delta import Drafts
+
+        out = super().propose(*args, **kwargs)
+        return Drafts(out, idle=True) if self.idle else out
+
+
+def test_a_draft_side_with_nothing_to_run_beside_the_step_lends_its_cores_for_it(clock):
+    w = IdleWorker(drafts=[[]])
+    p, calls = lending(w)
+    p.gate.drafting = lambda b, sampled: True  # drafting pays at this batch size
+    sampled, n, ids = inputs([[1, 2]])
+    p.propose(sampled, n, ids)  # nothing served, nothing pre-drafted: lent
+    assert calls == [] and p._threads.lent and len(w.calls) == 1
+    w.idle = False
+    p.propose(sampled, n, ids)  # a pre-draft runs beside the step: the draft's cores
+    assert calls == [1] and len(w.calls) == 2
+    w.idle = True
+    p.propose(sampled, n, ids)  # the draft side asked every step, lent again
+    assert calls == [1, 2] and len(w.calls) == 3
+    # a partial prefill in the step: its token rows are unknown here, not lent
+    w.idle = False
+    p.propose(sampled, n, ids)
+    sampled, n, ids = inputs([[1, 2, 3], []])
+    w.idle = True
+    p.propose(sampled, n, ids)
+    assert calls == [1, 2, 1] and not p._threads.lent
+
+
+def test_an_idle_draft_side_lends_only_where_no_matmul_would_need_remaking(clock):
+    ops = FakeOps()
+    w = IdleWorker(drafts=[[7, 8]])
+    p, calls = lending(w)
+    p._hooked = True
+    p.load_model(torch.nn.ModuleList([onednn_layer(ops, "q", 960, 576)]))
+    p.gate.drafting = lambda b, sampled: True
+    p._lend(False)
+    p.before_step(3)  # a drafting step of one request and 2 draft tokens, on one thread
+    sampled, n, ids = inputs([[1, 2]])
+    assert p.propose(sampled, n, ids) == [[7, 8]]  # idle, but 3 rows were made on one thread
+    assert not p._threads.lent
+    w.drafts = [[7]]
+    p.propose(sampled, n, ids)  # 2 rows: none made yet, lent
+    assert p._threads.lent
+    p.before_step(2)
+    assert p._primitives.refreshes == 0 and p._primitives.made[2] is True
+    # new prompts the draft prefills beside the target's prefill: the draft's cores
+    p._prefetch, p.gate.mode = True, lambda b, sampled: True
+    p.on_new_requests([SimpleNamespace(prompt_token_ids=[1, 2, 3],
+                                       sampling_params=SimpleNamespace(temperature=0.0))],
+                      batch=2)
+    assert not p._threads.lent and w.prefetched
 
 
 def test_prompts_the_draft_will_not_draft_for_are_prefilled_on_the_lent_cores(clock):

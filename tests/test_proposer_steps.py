@@ -18,13 +18,14 @@ class FakeWorker:
         self.drafts = drafts
         self.receiver = DeltaReceiver()  # the proposer sends deltas, as to DraftWorker
 
-    def propose(self, contexts, budgets, step_s, temps=None, per_token_s=None, hints=None):
+    def propose(self, contexts, budgets, step_s, temps=None, per_token_s=None, hints=None,
+                remaining=None):
         if isinstance(contexts, Delta):
             contexts, resend = self.receiver.decode(contexts)
             assert not resend and all(c is not None for c in contexts)
         self.calls.append(dict(contexts=[list(c) for c in contexts], budgets=budgets,
                                step_s=step_s, temps=temps, per_token_s=per_token_s,
-                               hints=hints))
+                               hints=hints, remaining=remaining))
         return self.drafts or [[1, 2, 3, 4] for _ in contexts]
 
     def stats(self):
@@ -75,6 +76,28 @@ def test_temperatures_come_from_the_runners_input_batch(clock):
     sampled, n, ids = inputs([[1, 2], [], [3, 4, 5]])
     p.propose(sampled, n, ids)
     assert w.calls[0]["temps"] == [0.0, pytest.approx(1.0)]  # rows 0 and 2 (row 1 prefills)
+
+
+def test_each_rows_tokens_left_come_from_vllms_request_states(clock):
+    w = FakeWorker()
+    p = bare(w)
+
+    def state(prompt, max_tokens):
+        return SimpleNamespace(num_prompt_tokens=prompt,
+                               sampling_params=SimpleNamespace(max_tokens=max_tokens))
+
+    p.attach_runner(SimpleNamespace(
+        input_batch=SimpleNamespace(temperature_cpu=np.zeros(3, dtype=np.float32),
+                                    req_ids=["a", "b", "c"]),
+        requests={"a": state(2, 16), "c": state(1, 2)}))
+    sampled, n, ids = inputs([[1, 2, 3], [4, 5], [6, 7, 8]])
+    p.propose(sampled, n, ids)
+    # a: 1 of 16 generated; b: no state; c: 2 of 2 generated
+    assert w.calls[0]["remaining"] == [15, None, 0]
+    p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
+        temperature_cpu=np.zeros(3, dtype=np.float32))))
+    p.propose(sampled, n, ids)
+    assert w.calls[1]["remaining"] is None  # no request states: unknown
 
 
 def test_step_time_is_measured_per_batch_and_drafted_tokens(clock):

@@ -183,7 +183,7 @@ def test_the_worker_returns_q_with_the_drafts():
                         [2, 2], 0.05, [0.0, 1.0])
         assert isinstance(out, Drafts) and out.q[0] is None and len(out.q[1]) == 2
         plain = w.propose([np.array([5, 6], dtype=np.int32)], [2], 0.05, [0.0])
-        assert not isinstance(plain, Drafts)  # nothing drawn: a plain list
+        assert plain.q is None and plain.idle  # nothing drawn; serial: nothing in the background
     finally:
         w.close()
 
