@@ -344,7 +344,8 @@ class DuoProposer:
                 self._pause_draft()
             self._lookups_on, self._lookup_trial = self._lookup_mode(len(rows))
         lookups = self._lookups(keys, contexts, lookup_caps, serve=self._lookups_on)
-        if not self._on or getattr(self._client, "disabled", False):
+        disabled = getattr(self._client, "disabled", False)
+        if not self._on or disabled:
             self._lend(True)  # the draft side gave up for good: lend for good
         if not self._on:  # the draft model does not pay at this batch size: no draft work
             return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, None)
@@ -370,7 +371,7 @@ class DuoProposer:
         # result None: the draft side is slow, restarting or gone (lookups only)
         drafts = self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, result, hints,
                              qs)
-        if self._threads is not None and not getattr(self._client, "disabled", False):
+        if self._threads is not None and not disabled:
             self._lend(self._free_cores(idle, drafts, partial))
         return drafts
 
@@ -480,16 +481,21 @@ class DuoProposer:
         request's sampling settings."""
         self._runner = runner
 
+    def _states(self, rows: list[int]) -> list:
+        """Each row's request state in vLLM's model runner (its sampling settings,
+        prompt length), ``None`` where unknown."""
+        ids = getattr(getattr(self._runner, "input_batch", None), "req_ids", None) or []
+        states = getattr(self._runner, "requests", None) or {}
+        return [states.get(ids[i]) if i < len(ids) else None for i in rows]
+
     def _remaining(self, rows: list[int], num_tokens_no_spec) -> list[int | None] | None:
         """Each row's tokens left to generate (its ``max_tokens`` less its output so far,
         from vLLM's request states), ``None`` where unknown."""
-        ids = getattr(getattr(self._runner, "input_batch", None), "req_ids", None)
-        states = getattr(self._runner, "requests", None)
-        if not ids or not states:
+        states = self._states(rows)
+        if all(state is None for state in states):
             return None
         out = []
-        for i in rows:
-            state = states.get(ids[i]) if i < len(ids) else None
+        for i, state in zip(rows, states):
             limit = getattr(getattr(state, "sampling_params", None), "max_tokens", None)
             prompt = getattr(state, "num_prompt_tokens", None)
             out.append(None if limit is None or prompt is None else
@@ -507,12 +513,9 @@ class DuoProposer:
         with structured output, whose drafts vLLM's scheduler cuts at the first token
         its grammar rejects. A cut that looks at a drawn token's value would bias the
         output; a draft without q stays exact however it is cut."""
-        ids = getattr(getattr(self._runner, "input_batch", None), "req_ids", None) or []
-        states = getattr(self._runner, "requests", None) or {}
         out = list(temps)
-        for j, i in enumerate(rows):
-            params = getattr(states.get(ids[i]) if i < len(ids) else None,
-                             "sampling_params", None)
+        for j, state in enumerate(self._states(rows)):
+            params = getattr(state, "sampling_params", None)
             if getattr(params, "structured_outputs", None) is not None or \
                     getattr(params, "guided_decoding", None) is not None:
                 out[j] = 0.0
