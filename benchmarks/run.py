@@ -383,7 +383,9 @@ def shape_key(shape: dict) -> str:
 def summarise(results: dict) -> dict:
     """Per method and shape: tokens/s (median, spread), speedups, TTFT, acceptance, equality."""
     summary: dict = {}
-    ref = results.get("plain-1core", {})
+    # greedy output is checked against plain vLLM on core 0, else on all cores
+    ref = next((results[n] for n in ("plain-1core", "plain-all")
+                if results.get(n, {}).get("available")), {})
     ref_shapes = {shape_key(s): s for s in ref.get("shapes", [])}
     for name, r in results.items():
         if not r.get("available"):
@@ -558,18 +560,20 @@ def plots(summary: dict, out_dir: Path) -> list[str]:
 
     made = []
     b1 = summary.get("batch1-t0", {})
-    if b1 and "plain-all" in b1:
-        names = [n for n in b1 if n != "plain-all"]
-        tasks = sorted(b1["plain-all"]["by_task"])
+    ref = next((n for n in ("plain-all", "plain-1core") if n in b1), None)
+    if ref is not None:
+        names = [n for n in b1 if n != ref]
+        tasks = sorted(b1[ref]["by_task"])
         fig, ax = plt.subplots(figsize=(10, 4.5))
         width = 0.8 / max(len(names), 1)
         for i, n in enumerate(names):
-            vs = b1[n].get("by_task_vs", {}).get("plain-all", {})
+            vs = b1[n].get("by_task_vs", {}).get(ref, {})
             ax.bar([t + i * width for t in range(len(tasks))], [vs.get(t, 0) for t in tasks],
                    width, label=n)
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_xticks([t + 0.4 - width / 2 for t in range(len(tasks))], tasks)
-        ax.set_ylabel("speedup vs plain vLLM (all cores)")
+        ax.set_ylabel("speedup vs " + {"plain-all": "plain vLLM (all cores)",
+                                       "plain-1core": "plain vLLM (core 0)"}[ref])
         ax.set_title("Batch 1, greedy: speedup by Spec-Bench task")
         ax.legend(fontsize=8, ncol=3)
         fig.tight_layout()

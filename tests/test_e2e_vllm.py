@@ -16,7 +16,10 @@ WAIT = {"propose_timeout_s": 120}
 
 # every switch combination that changes behaviour, each against plain vLLM
 COMBOS = {
-    "serial": ({"parallel": False, "multi_sequence": False, "budget": 4, **WAIT}, False),
+    # drafted while vLLM waits: branch trees (multi-sequence) for ten requests at once
+    # (single-sequence chains: parallel-single-auto; the auto budget: the parallel combos
+    # and tests/test_goodput.py)
+    "serial": ({"parallel": False, "multi_sequence": True, "budget": 4, **WAIT}, False),
     "parallel-single-auto": ({"parallel": True, "multi_sequence": False, "budget": "auto"}, True),
     # lookup drafts may run to 8 tokens, the draft model's to 4 (max_draft_len); no gate:
     # both sources every step (the gate may rightly prefer lookups alone, tests/test_gate.py)
@@ -24,10 +27,6 @@ COMBOS = {
                              "max_draft_len": 4, "gate": False}, True),
     "parallel-multi-auto-batched": ({}, False),  # the defaults, ten requests at once
     "parallel-multi-fixed2": ({"parallel": True, "multi_sequence": True, "budget": 2}, True),
-    # one request at a time: ten long prompts at once drafted while vLLM waits rightly get
-    # no draft from the goodput controller (tests/test_goodput.py), except probes
-    "serial-multi-auto": ({"parallel": False, "multi_sequence": True, "budget": "auto", **WAIT},
-                          True),
     # the target bound to both cores lends core 1 to the draft while it drafts
     # (duo_vllm/lending.py): its thread count switches between steps
     "lend": ({"draft_cores": [1]}, True),
