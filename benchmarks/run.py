@@ -195,12 +195,23 @@ def worker(req_path: str, out_path: str) -> None:
             elif batch == 1:
                 for j, prompt in enumerate(prompts):
                     t0 = time.perf_counter()
-                    out = llm.generate([prompt], params(temp, 1000 * rep + j), use_tqdm=False)[0]
+                    steps = None
+                    if req.get("timeline"):  # each step, and what the draft side did
+                        before = draft_stats(llm) if is_duo else None
+                        outs, steps = stepped(llm, [prompt], [params(temp, 1000 * rep + j)],
+                                              f"r{rep}-{j}")
+                        out = outs[0]
+                    else:
+                        out = llm.generate([prompt], params(temp, 1000 * rep + j),
+                                           use_tqdm=False)[0]
                     dt = time.perf_counter() - t0
                     m = getattr(out, "metrics", None)
                     rows.append({"prompt": j, "task": tasks[j], "repeat": rep,
                                  "tokens": len(out.outputs[0].token_ids), "seconds": dt,
                                  "ttft_s": getattr(m, "first_token_latency", None),
+                                 "steps": steps,
+                                 "duo": _stats_delta(before, draft_stats(llm))
+                                 if steps is not None and is_duo else None,
                                  "token_ids": [list(out.outputs[0].token_ids)],
                                  "prompt_ids": [list(out.prompt_token_ids)] if rep == 0 else None})
                     bar.update()

@@ -91,6 +91,38 @@ def test_metrics_show_the_draft_statistics(servers):
     assert duo.counter(ACCEPTED) > 0  # vLLM's own metrics are still there
 
 
+def test_sampling_options_keep_plain_output(servers, tokenizer):
+    """Greedy requests with the options that change the target's logits (penalties,
+    banned words, a minimum length) and with logprobs: vLLM's rejection sampler
+    applies them at every draft position, so the tokens equal plain vLLM's, and so
+    do the logprobs it reports for them. vLLM refuses ``logit_bias`` and ``min_p``
+    with any speculative decoding (README, Limits): a 400 that names them."""
+    plain, duo = servers
+    shaped = {"model": plain.model, "messages": MESSAGES, "max_tokens": 48,
+              "temperature": 0.0, "repetition_penalty": 1.3, "frequency_penalty": 0.4,
+              "presence_penalty": 0.3, "bad_words": [" Python"],
+              "logprobs": True, "top_logprobs": 3}
+    (s1, b1), (s2, b2) = _both(servers, "/v1/chat/completions", json=shaped)
+    assert s1 == s2 == 200, (b1, b2)
+    assert _texts(b1) == _texts(b2) and _texts(b1)[0].strip()
+    want, got = (b["choices"][0]["logprobs"]["content"] for b in (b1, b2))
+    assert [t["token"] for t in got] == [t["token"] for t in want]
+    assert " Python" not in [t["token"] for t in want]
+    for w, g in zip(want, got):
+        assert abs(w["logprob"] - g["logprob"]) < 1e-3, (w, g)
+        assert [t["token"] for t in g["top_logprobs"]] == [t["token"] for t in w["top_logprobs"]]
+    longer = {"model": plain.model, "max_tokens": 40, "temperature": 0.0, "min_tokens": 40,
+              "messages": [{"role": "user", "content": "Say hi."}]}
+    (s1, b1), (s2, b2) = _both(servers, "/v1/chat/completions", json=longer)
+    assert s1 == s2 == 200 and _texts(b1) == _texts(b2)
+    assert b1["usage"]["completion_tokens"] == b2["usage"]["completion_tokens"] == 40
+    banned = tokenizer.encode(" Python", add_special_tokens=False)[0]
+    biased = dict(longer, min_tokens=0, max_tokens=8, logit_bias={str(banned): -100})
+    (s1, _), (s2, b2) = _both(servers, "/v1/chat/completions", json=biased)
+    assert s1 == 200 and s2 == 400 and "logit_bias" in json.dumps(b2), b2
+    assert duo.counter(ACCEPTED) > 0
+
+
 def _settled(server: Server, timeout: float = 60) -> bool:
     """No request left running or waiting (aborted streams were cleaned up)."""
     deadline = time.time() + timeout
