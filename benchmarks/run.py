@@ -194,10 +194,12 @@ def worker(req_path: str, out_path: str) -> None:
                 bar.update()
             elif batch == 1:
                 for j, prompt in enumerate(prompts):
-                    t0 = time.perf_counter()
+                    # with --timeline: each step, and what the draft side did (its
+                    # counters read outside the timed request)
+                    before = draft_stats(llm) if req.get("timeline") and is_duo else None
                     steps = None
-                    if req.get("timeline"):  # each step, and what the draft side did
-                        before = draft_stats(llm) if is_duo else None
+                    t0 = time.perf_counter()
+                    if req.get("timeline"):
                         outs, steps = stepped(llm, [prompt], [params(temp, 1000 * rep + j)],
                                               f"r{rep}-{j}")
                         out = outs[0]
@@ -210,8 +212,8 @@ def worker(req_path: str, out_path: str) -> None:
                                  "tokens": len(out.outputs[0].token_ids), "seconds": dt,
                                  "ttft_s": getattr(m, "first_token_latency", None),
                                  "steps": steps,
-                                 "duo": _stats_delta(before, draft_stats(llm))
-                                 if steps is not None and is_duo else None,
+                                 "duo": None if before is None
+                                 else _stats_delta(before, draft_stats(llm)),
                                  "token_ids": [list(out.outputs[0].token_ids)],
                                  "prompt_ids": [list(out.prompt_token_ids)] if rep == 0 else None})
                     bar.update()
