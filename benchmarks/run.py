@@ -116,7 +116,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
          "lookup_tokens_served", "lookup_tokens_accepted", "model_tokens_served",
          "model_tokens_accepted", "busy_s", "prefill_tokens", "predraft_tokens", "sync_tokens",
           "sync_s", "sync_calls", "propose_calls", "lookup_misses", "lent_steps",
-          "lend_switches", "matmul_remakes", "drawn_tokens")}
+          "lend_switches", "matmul_remakes", "drawn_tokens", "lent_prefills")}
     lengths = {int(n): c - before.get("chosen_lengths", {}).get(n, 0)
                for n, c in after.get("chosen_lengths", {}).items()}
     return {
@@ -144,6 +144,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         # steps the target ran on the draft's cores too, and switches (duo-lend)
         "lent_steps": d["lent_steps"], "lend_switches": d["lend_switches"],
         "matmul_remakes": d["matmul_remakes"],
+        "lent_prefills": d["lent_prefills"],  # long prompts prefilled on every core
         "drawn_tokens": d["drawn_tokens"],  # served with their q (sampled drafts)
         "sync_ms_per_draft_step": 1e3 * d["sync_s"] / d["propose_calls"] if d["propose_calls"] else None,
         "predraft_hit_rate": d["predraft_hits"] / d["requests"] if d["requests"] else 0.0,
@@ -431,7 +432,8 @@ def summarise(results: dict) -> dict:
                     "acceptance", "propose_wait_ms", "lock_wait_ms", "actor_propose_ms", "sync_calls",
                     "lookup_misses", "sync_ms_per_draft_step", "gate_plain_steps", "gate_no_draft_steps",
                     "gate_tokens_per_s", "draft_busy_s", "propose_ms_per_step", "sources", "lookup_rows", "source_alpha",
-                    "lent_steps", "lend_switches", "matmul_remakes", "drawn_tokens", "gate_log")}
+                    "lent_steps", "lend_switches", "matmul_remakes", "lent_prefills", "drawn_tokens",
+                    "gate_log")}
             if s["temperature"] == 0.0 and key in ref_shapes:
                 mine = [x["token_ids"] for x in rows if x["repeat"] == 0]
                 theirs = [x["token_ids"] for x in ref_shapes[key]["rows"] if x["repeat"] == 0]
@@ -540,7 +542,8 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                          f"instead {c.get('lookup_misses')})"
                          + (f"; steps on the draft's core too {c['lent_steps']} "
                             f"({c.get('lend_switches')} switches, oneDNN matmuls remade "
-                            f"{c.get('matmul_remakes')} times)" if c.get("lent_steps") else ""))
+                            f"{c.get('matmul_remakes')} times; prompts prefilled on every "
+                            f"core {c.get('lent_prefills')})" if c.get("lent_steps") else ""))
             src = c.get("sources") or {}
             if src.get("lookup", {}).get("served") or c.get("lookup_rows"):
                 lines.append(f"- {name} sources: " + ", ".join(

@@ -23,7 +23,7 @@ from .client import ActorClient
 from .config import DuoConfig, DuoConfigError, allowed_cpus, resolve_draft_cores, target_cores
 from .delta import DeltaSender
 from .gate import DraftGate, LookupGate
-from .lending import MatmulPrimitives, TargetThreads, bind_order, lend_plan
+from .lending import MatmulPrimitives, TargetThreads, bind_order, lend_plan, lend_prefill
 from .goodput import StepTimeModel
 from .lookup import LOOKUP, MODEL, ContextLookup, Hint, serve
 from .models import ModelNotFoundError, default_draft_gguf
@@ -247,6 +247,9 @@ class DuoProposer:
         self._step_q = None  # (rows, drafts, their q) of the last step's drafted rows
         self.draft_prob_rows: list[int] = []  # the rows of take_last_draft_probs()'s answer
         self.drawn_tokens = 0  # draft tokens served with their q (sampled drafts)
+        self.lent_prefills = 0  # prefill steps lent rather than shared (lend_prefill)
+        w = self.config.draft_window  # what the draft sees of a prompt (DuoDrafter's pool)
+        self._window = min(w, self.config.n_ctx // 2) if w else None
 
     def _draft_cores(self, cfg: DuoConfig) -> list[int] | None:
         if cfg.resources and cfg.draft_cores is None:
@@ -544,12 +547,27 @@ class DuoProposer:
         prompts = [p for p in prompts if len(p) < self.max_model_len - 1]
         if not prompts:
             return
+        if self._threads is not None and self._lend_prefill(new_reqs, prompts):
+            # long prompts: the target prefills them on every core, faster than the
+            # draft's cores can spare it; the draft takes them from the next step
+            self.lent_prefills += 1
+            if not self._threads.lent:
+                self._pause_draft()
+                self._lend(True)
+            return
         if self._client is not None:
             sent = self._client.prefetch(prompts)
         else:
             sent = bool(self._worker.prefetch(prompts))  # 0: serial, nothing in the background
         if sent:  # the draft prefills them beside the target's prefill, on its own cores
             self._lend(False)
+
+    def _lend_prefill(self, new_reqs, prompts) -> bool:
+        """Prefill ``new_reqs`` on every core, not beside the draft (:func:`lend_prefill`)?"""
+        cached = sum(getattr(r, "num_computed_tokens", 0) or 0 for r in new_reqs)
+        target = sum(len(p) for p in prompts) - cached  # beyond vLLM's prefix cache
+        seen = sum(min(len(p), self._window or len(p)) for p in prompts)
+        return lend_prefill(target, seen, self._threads.drafting, self._threads.full)
 
     def _will_draft(self, new_reqs, batch: int | None) -> bool:
         """Will the gate draft for the batch these new requests join (``batch``, else the
@@ -673,6 +691,7 @@ class DuoProposer:
             "gate_log": [list(x) for g in (self.gate, self.lookup_gate) for x in g.log],
             "lend_switches": self._threads.switches if self._threads else 0,
             "lent_steps": self._threads.lent_steps if self._threads else 0,
+            "lent_prefills": self.lent_prefills,
             "matmul_remakes": self._primitives.refreshes if self._primitives else 0,
             "target_step_ms_by_batch": {
                 b: 1e3 * self.step_time.cost(b).t0 for b in self.step_time.batch_sizes()},

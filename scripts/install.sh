@@ -36,6 +36,9 @@ echo "[install] 3/5 llama-cpp-python (CPU build; several minutes the first time)
 # keys builds by version only, so it could hand back a native build.
 LLAMA_VERSION="${DUO_LLAMA_VERSION:-0.3.36}"
 LLAMA_FLAGS="${DUO_LLAMA_CMAKE_ARGS:-$(bash "$HERE/scripts/cpu_flags.sh")}"
+# llama-cpp-python's multimodal library (mtmd, clip): duo_vllm never loads it
+# (llama_cpp imports it lazily), and skipping it shortens the build
+LLAMA_FLAGS="$LLAMA_FLAGS -DLLAVA_BUILD=OFF"
 CACHE="${DUO_VLLM_CACHE:-$HOME/.cache/duo_vllm}"
 LLAMA_PATCH="$HERE/patches/llama-cpp-sgemm-min-n.patch"
 FLAGS_KEY="$( { printf '%s' "$LLAMA_FLAGS"; cat "$LLAMA_PATCH"; } | sha256sum | cut -c1-12)"

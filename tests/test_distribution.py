@@ -71,9 +71,11 @@ def plain_samples(session_tmp, target_dir):
 # hardware-aware budget rightly drafts almost nothing for 16 sampled requests
 # on one draft core, which would leave the test without power). "serial"
 # drafts chains while vLLM waits, so every request has its decode positions
-# verified. "parallel" also pre-drafts branch trees while vLLM verifies and
-# serves them on a hit: the path the default configuration takes. Both draw
-# the drafts from the draft's q and hand q to the rejection sampler
+# verified: the lossy control runs it. "parallel" pre-drafts branch trees while
+# vLLM verifies and serves them on a hit (the path the default configuration
+# takes), and on a miss drafts a chain while vLLM waits, as "serial" does: the
+# test runs it and checks that both kinds of drafts were served. Both draw the
+# drafts from the draft's q and hand q to the rejection sampler
 # (duo_vllm/sampling.py); the lossy control's drafts are drawn too.
 MODES = {
     "serial": {"parallel": False, "budget": 4, "propose_timeout_s": 120},
@@ -86,16 +88,15 @@ def duo_spec(mode: str, model: str = "duo_vllm.DuoProposer") -> dict:
     return dict(speculative_config(4, {"max_sequences": 16, **MODES[mode]}), model=model)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_duo_sampling_matches_plain_distribution(session_tmp, target_dir, plain_samples, mode):
-    duo, out = sample(session_tmp, target_dir, f"dist_duo_{mode}", duo_spec(mode))
+def test_duo_sampling_matches_plain_distribution(session_tmp, target_dir, plain_samples):
+    duo, out = sample(session_tmp, target_dir, "dist_duo_parallel", duo_spec("parallel"))
+    stats = out["draft_stats"]
     assert out["metrics"]["accepted"] > 0, out["metrics"]  # drafts were really verified
     # drawn from the draft's q and verified with it (sampled_drafts, the default)
-    assert out["draft_stats"]["drawn_tokens"] > 0, out["draft_stats"]
-    if mode == "serial":  # every request had its decode positions verified
-        assert out["metrics"]["drafts"] >= SAMPLES * len(PROMPTS), out["metrics"]
-    else:  # pre-drafted branches were served, not only chains drafted on demand
-        assert out["draft_stats"]["predraft_hits"] > 0, out["draft_stats"]
+    assert stats["drawn_tokens"] > 0, stats
+    # both kinds were served: pre-drafted branches (hits) and chains drafted on demand
+    # while vLLM waited (misses: serial mode's path)
+    assert stats["predraft_hits"] > 0 and stats["sync_tokens"] > 0, stats
     pv = p_values(plain_samples, duo)
     assert min(pv.values()) > P_MIN, pv
 

@@ -26,7 +26,8 @@ COMBOS = {
     "parallel-multi-auto": ({"parallel": True, "multi_sequence": True, "budget": "auto",
                              "max_draft_len": 4, "gate": False}, True),
     "parallel-multi-auto-batched": ({}, False),  # the defaults, ten requests at once
-    "parallel-multi-fixed2": ({"parallel": True, "multi_sequence": True, "budget": 2}, True),
+    # (a fixed budget: "serial" here, and pre-drafted branch trees under sampling,
+    # tests/test_distribution.py)
     # the target bound to both cores lends core 1 to the draft while it drafts
     # (duo_vllm/lending.py): its thread count switches between steps
     "lend": ({"draft_cores": [1]}, True),

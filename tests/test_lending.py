@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from duo_vllm.lending import (ONEDNN_CACHE, MatmulPrimitives, TargetThreads, bind_order,
-                              lend_plan, onednn_linears)
+                              lend_plan, lend_prefill, onednn_linears)
 from tests.test_proposer_steps import FakeWorker, bare, clock, inputs  # noqa: F401
 
 
@@ -353,6 +353,58 @@ def test_prompts_the_draft_will_not_draft_for_are_prefilled_on_the_lent_cores(cl
     p.on_new_requests(new, batch=16)
     assert calls == [1, 2] and w.pauses == 1  # the prefill of 16 runs on both cores
     assert w.waited  # once the draft's decode call under way had ended
+
+
+def test_a_prefill_is_lent_where_the_target_saves_more_than_the_draft_then_spends():
+    # a 700-token prompt, the draft sees 256 of it: half of 700 saved >= 256 spent
+    assert lend_prefill(700, 256, drafting=1, full=2)
+    assert not lend_prefill(400, 256, 1, 2)  # 200 saved < 256 spent
+    assert lend_prefill(512, 256, 1, 2)  # a tie: the first tokens come sooner
+    # the more cores lent, the more a lend saves: 3 of 4 cores free 300 of 400 tokens
+    assert lend_prefill(400, 256, 1, 4) and not lend_prefill(400, 256, 2, 4)
+    # nothing for the target to compute (its prefix cache), or no core to lend: never
+    assert not lend_prefill(0, 0, 1, 2) and not lend_prefill(5000, 256, 2, 2)
+
+
+def test_long_prompts_are_prefilled_on_the_lent_cores_and_short_ones_beside_the_draft(clock):
+    class Prefetching(IdleWorker):
+        pauses = 0
+        prefetched = None
+
+        def pause(self, wait=False):
+            self.pauses += 1
+
+    w = Prefetching(drafts=[[7]])
+    w.idle = False
+    p, calls = lending(w)
+    p._prefetch, p.max_model_len = True, 2048
+    p.gate.drafting = p.gate.mode = lambda b, sampled: True
+    sampled, n, ids = inputs([[1, 2]])
+    p.propose(sampled, n, ids)  # drafting: the draft's core is its own
+    assert calls == [1] and p._window == 256
+
+    def new(length):
+        return [SimpleNamespace(prompt_token_ids=list(range(length)),
+                                sampling_params=SimpleNamespace(temperature=0.0))]
+
+    p.on_new_requests(new(700), batch=1)  # the target prefills it on both cores
+    assert calls == [1, 2] and w.prefetched is None and w.pauses == 1
+    assert p.stats()["lent_prefills"] == 1
+    p.propose(sampled, n, ids)  # the draft takes it from the next step, on its core
+    assert calls == [1, 2, 1]
+    p.on_new_requests(new(300), batch=1)  # short: the draft prefills it beside the target
+    assert calls == [1, 2, 1] and len(w.prefetched[0]) == 300
+    # several prompts: what the draft sees of each is what it spends (450 < 256 + 80 + 120)
+    p.on_new_requests(new(700) + new(80) + new(120), batch=3)
+    assert calls == [1, 2, 1] and len(w.prefetched) == 3
+    # long, but in vLLM's prefix cache: the target computes 100 of 700 tokens
+    cached = new(700)
+    cached[0].num_computed_tokens = 600
+    p.on_new_requests(cached, batch=1)
+    assert calls == [1, 2, 1] and len(w.prefetched[0]) == 700
+    assert p.stats()["lent_prefills"] == 1
+    p.on_new_requests(new(700) + new(650), batch=2)  # 675 saved >= 512 spent
+    assert calls == [1, 2, 1, 2] and p.stats()["lent_prefills"] == 2
 
 
 def test_a_lending_proposer_remakes_the_targets_matmuls_at_each_lend_and_stops_if_that_fails(
