@@ -564,9 +564,10 @@ class DuoProposer:
 
     def _lend_prefill(self, new_reqs, prompts) -> bool:
         """Prefill ``new_reqs`` on every core, not beside the draft (:func:`lend_prefill`)?"""
-        cached = sum(getattr(r, "num_computed_tokens", 0) or 0 for r in new_reqs)
-        target = sum(len(p) for p in prompts) - cached  # beyond vLLM's prefix cache
-        seen = sum(min(len(p), self._window or len(p)) for p in prompts)
+        # the target's work: every new prompt, beyond what vLLM's prefix cache holds
+        target = sum(len(getattr(r, "prompt_token_ids", None) or ())
+                     - (getattr(r, "num_computed_tokens", 0) or 0) for r in new_reqs)
+        seen = sum(min(len(p), self._window or len(p)) for p in prompts)  # the draft's
         return lend_prefill(target, seen, self._threads.drafting, self._threads.full)
 
     def _will_draft(self, new_reqs, batch: int | None) -> bool:

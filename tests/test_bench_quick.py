@@ -1,14 +1,14 @@
 """`python -m benchmarks.run --quick`: the benchmark suite's smoke test.
 
-The first baseline (plain vLLM on one core), DuoProposer full and the oracle,
-each in a fresh (eager) engine on 5 Spec-Bench prompts at 32 tokens, plus
-vLLM's suffix method, which must be measured or recorded as unavailable with a
-reason. Checks the outputs exist and that the suite's own honesty checks hold.
-No timing is asserted. The other baselines (plain-all, ngram) are the same
-code path as plain-1core with other engine settings; they are left to the
-real benchmark runs, each a vLLM engine start-up less here (about 2 minutes
-each on a 2-core VM). The other DuoProposer modes have end-to-end tests of
-their own.
+The first baseline (plain vLLM on one core) and DuoProposer full, each in a
+fresh (eager) engine on 5 Spec-Bench prompts at 32 tokens, plus vLLM's suffix
+method, which must be measured or recorded as unavailable with a reason.
+Checks the outputs exist and that the suite's own honesty checks hold. No
+timing is asserted. The other baselines (plain-all, ngram) and the oracle are
+the same code path as plain-1core with other engine settings or a replaying
+proposer (benchmarks/oracle.py); they are left to the real benchmark runs,
+each a vLLM engine start-up less here (about 2 minutes each on a 2-core VM).
+The other DuoProposer modes have end-to-end tests of their own.
 """
 
 import json
@@ -20,7 +20,7 @@ import pytest
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.e2e
-METHODS_RUN = ["plain-1core", "suffix", "duo-full", "oracle"]
+METHODS_RUN = ["plain-1core", "suffix", "duo-full"]
 
 
 def test_quick_benchmark(tmp_path):
@@ -50,7 +50,6 @@ def test_quick_benchmark(tmp_path):
     duo4 = summary["batch4-t0"]["duo-full"]["controller"]
     assert {"chosen_lengths", "gate_plain_steps", "gate_tokens_per_s"} <= set(duo4)
     b1 = summary["batch1-t0"]
-    assert b1["oracle"]["acceptance_rate"] == 1.0  # it replays plain vLLM's own output
     assert b1["duo-full"]["predraft_hit_rate"] is not None
     assert b1["duo-full"]["mean_accepted_len"] > 1.0
     assert all(e["ttft_ms"] and e["ttft_ms"] > 0 for e in b1.values())
