@@ -34,7 +34,7 @@ from .goodput import (
     plan_predraft, plan_served, plan_sync, regime,
 )
 from .sampling import draft_q, sample_q
-from .state import Assignment, Slot, SlotPool, common_prefix_len
+from .state import Assignment, Slot, SlotPool, common_prefix_len, pool_window
 from .stats import DraftStats, Ema
 
 logger = logging.getLogger(__name__)
@@ -107,9 +107,7 @@ class DuoDrafter:
         self.backend, self.n_ctx, self.policy = backend, n_ctx, policy
         self.rng = np.random.default_rng(seed)  # the draws of sampled drafts
         self.last_q: list = []  # each row's q of its last draft (None: not drawn)
-        # the draft sees each request's last ``window`` tokens (a window fills at most
-        # half the draft's context: it slides on by the other half)
-        self.pool = SlotPool(max_sequences, window=min(window, n_ctx // 2) if window else None)
+        self.pool = SlotPool(max_sequences, window=pool_window(window, n_ctx))
         self.n_extra = max(policy.max_branches - 1, 0)
         self.trees: dict[int, Tree] = {}
         self.last_draft: dict[int, tuple[int, list[int], str]] = {}

@@ -29,6 +29,7 @@ from .lookup import LOOKUP, MODEL, ContextLookup, Hint, serve
 from .models import ModelNotFoundError, default_draft_gguf
 from .pinning import EngineCorePlace, engine_core, move_engine_core, off_target, pin_ray_daemons
 from .sampling import dense_q
+from .state import pool_window
 from .vllm_patches import (
     check_vllm, fix_cpu_expand_kernel, install_draft_probs_hook, install_new_request_hook,
 )
@@ -248,8 +249,8 @@ class DuoProposer:
         self.draft_prob_rows: list[int] = []  # the rows of take_last_draft_probs()'s answer
         self.drawn_tokens = 0  # draft tokens served with their q (sampled drafts)
         self.lent_prefills = 0  # prefill steps lent rather than shared (lend_prefill)
-        w = self.config.draft_window  # what the draft sees of a prompt (DuoDrafter's pool)
-        self._window = min(w, self.config.n_ctx // 2) if w else None
+        # what the draft sees of a prompt (as DuoDrafter's pool)
+        self._window = pool_window(self.config.draft_window, self.config.n_ctx)
 
     def _draft_cores(self, cfg: DuoConfig) -> list[int] | None:
         if cfg.resources and cfg.draft_cores is None:
@@ -538,9 +539,7 @@ class DuoProposer:
         if self._gated and self._runner is not None and not self._will_draft(new_reqs, batch):
             # the gate keeps drafting off at the batch size they make: no draft work, and
             # a lending target prefills them on the draft's cores too
-            if self._threads is not None and not self._threads.lent:
-                self._pause_draft()
-                self._lend(True)
+            self._prefill_lent()
             return
         prompts = [np.asarray(r.prompt_token_ids, dtype=np.int32) for r in new_reqs
                    if getattr(r, "prompt_token_ids", None)]
@@ -551,9 +550,7 @@ class DuoProposer:
             # long prompts: the target prefills them on every core, faster than the
             # draft's cores can spare it; the draft takes them from the next step
             self.lent_prefills += 1
-            if not self._threads.lent:
-                self._pause_draft()
-                self._lend(True)
+            self._prefill_lent()
             return
         if self._client is not None:
             sent = self._client.prefetch(prompts)
@@ -561,6 +558,13 @@ class DuoProposer:
             sent = bool(self._worker.prefetch(prompts))  # 0: serial, nothing in the background
         if sent:  # the draft prefills them beside the target's prefill, on its own cores
             self._lend(False)
+
+    def _prefill_lent(self) -> None:
+        """The step's prefill runs on the draft's cores too, the draft's background
+        work dropped first (a lending target; nothing to do when already lent)."""
+        if self._threads is not None and not self._threads.lent:
+            self._pause_draft()
+            self._lend(True)
 
     def _lend_prefill(self, new_reqs, prompts) -> bool:
         """Prefill ``new_reqs`` on every core, not beside the draft (:func:`lend_prefill`)?"""

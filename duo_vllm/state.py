@@ -65,6 +65,13 @@ class Assignment:
     view: np.ndarray  # the context as the slot holds it (from slot.offset on)
 
 
+def pool_window(window: int | None, n_ctx: int) -> int | None:
+    """The tokens of a request the draft sees: ``window`` (``None`` or 0: the whole
+    context), at most half the draft's context so that a full window slides on by
+    the other half."""
+    return min(window, n_ctx // 2) if window else None
+
+
 class SlotPool:
     """A bounded pool of draft sequences, matched to contexts by common prefix.
 
