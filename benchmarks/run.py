@@ -35,6 +35,8 @@ Methods (2-core machine: DuoProposer's target on core 0, its draft on core 1):
   spec-empty   vLLM's speculative step with empty drafts (benchmarks/oracle.py), target on
                core 0: the floor of a proposer that turns drafting off
   spec-empty-all  spec-empty with the target on every core (plain-all's floor)
+  spec-actor-all  spec-empty-all beside Ray and an idle draft actor on core 1 (the floor of
+               a lent step)
   plain-all-iomp, duo-lend-iomp  plain-all and duo-lend with Intel OpenMP preloaded
                (LD_PRELOAD of the venv's libiomp5.so, which vLLM-CPU's docs ask for)
   oracle       replays plain-1core's greedy output (benchmarks/oracle.py), target on
@@ -93,6 +95,10 @@ METHODS = {
                                      "num_speculative_tokens": K}),
     "spec-actor": dict(bind="0", spec={"model": "benchmarks.oracle.ActorEmptyProposer",
                                        "num_speculative_tokens": K}),
+    # the same beside the actor with the target on every core: what a lent step pays
+    # for Ray and an idle draft actor on the draft's core
+    "spec-actor-all": dict(bind="0-1", spec={"model": "benchmarks.oracle.ActorEmptyProposer",
+                                             "num_speculative_tokens": K}),
     "spec-cycle": dict(bind="0", spec={"model": "benchmarks.oracle.CycleProposer",
                                        "num_speculative_tokens": K}),
     "oracle": dict(bind="0", spec={"model": "benchmarks.oracle.OracleProposer",
