@@ -31,6 +31,8 @@ Methods (2-core machine: DuoProposer's target on core 0, its draft on core 1):
   duo-argmax   duo-lend drafting the argmax for sampled requests too (no sampled_drafts:
                the ablation)
   duo-lend-nolookup  duo-lend without lookup drafts
+  duo-lend-nogate  duo-lend without the gate: the draft model drafts at every step (the
+               gate's ablation)
   duo-fullctx  duo-full with the draft seeing whole contexts (no draft_window)
   spec-empty   vLLM's speculative step with empty drafts (benchmarks/oracle.py), target on
                core 0: the floor of a proposer that turns drafting off
@@ -78,6 +80,9 @@ METHODS = {
     # commit): a before/after in one run, against the same baselines
     "duo-lend-base": dict(bind="0-1", base=True, duo={"parallel": True, "multi_sequence": True,
                                                       "budget": "auto"}),
+    # the gate's ablation: the draft model on at every step, lent only on idle steps
+    "duo-lend-nogate": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
+                                             "budget": "auto", "gate": False}),
     "duo-lend-nolookup": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
                                              "budget": "auto", "lookup": False}),
     "duo-nolookup": dict(bind="0", duo={"parallel": True, "multi_sequence": True,

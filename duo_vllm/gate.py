@@ -43,7 +43,12 @@ class DraftGate:
     same request where both ran at least ``paired_steps`` steps on it. At
     batch 1 one request follows another, and a trial that fell on a request
     that copies its prompt (fast in any mode) must not beat drafting measured
-    on a harder one.
+    on a harder one. Such a paired verdict against drafting speaks for its own
+    request: when the next one starts (``drafting`` is told the step's
+    ``key``), drafting is on trial again there, judged on the recent rates,
+    and plain decoding holds only if it still wins (one hard request, a long
+    article the draft cannot follow, does not keep drafting off for the
+    requests after it).
     """
 
     labels = ("on", "off")  # the two modes' names in :meth:`rates`
@@ -68,6 +73,7 @@ class DraftGate:
         self._trying: dict = {}  # bucket -> the mode under a retry's trial
         self.paired_steps = paired_steps
         self._paired: dict = {}  # bucket -> {(key, on): [tokens, seconds, steps]}
+        self._scope: dict = {}  # bucket -> the request a paired verdict for plain decoding holds for
         self.plain_steps = 0  # steps the gate left to plain decoding
         self.log: deque = deque(maxlen=32)  # the last trials and verdicts, for stats
 
@@ -76,16 +82,19 @@ class DraftGate:
         """Batch sizes 1, 2-3, 4-7, ...; all-greedy steps apart from those with sampling."""
         return batch_bucket(batch), bool(sampled)
 
-    def drafting(self, batch: int, sampled: bool = False) -> bool:
+    def drafting(self, batch: int, sampled: bool = False, key=None) -> bool:
         """The mode for a step of ``batch`` requests (and the bookkeeping of the trials).
 
-        ``sampled``: some request of the step samples (temperature > 0).
+        ``sampled``: some request of the step samples (temperature > 0); ``key``: the
+        request it serves, where the proposer pairs by request (batch 1).
         """
         b = self.bucket(batch, sampled)
         self._clock[b] = self._clock.get(b, 0) + 1
         self._steps += 1
         if b not in self._mode:
             self._mode[b] = self.first_mode(b)
+        if key is not None and self._scope.get(b, key) != key:
+            self._try_again(b)
         if b in self._trying and self._steps - self._trial_at[b] > \
                 self.abandon_after * (self.trial_steps + self.warmup_steps):
             self._abandon(b)
@@ -122,6 +131,15 @@ class DraftGate:
             self.plain_steps += 1
         return on
 
+    def _try_again(self, b) -> None:
+        """A new request after a paired verdict for plain decoding on the one before:
+        drafting is on trial on this one (its warm-up, then a verdict on the rates)."""
+        del self._scope[b]
+        self._mode[b], self._run[b] = True, 0
+        self._trying[b], self._trial_at[b] = True, self._steps
+        self._sums.pop((b, True), None)
+        self._note(b, True, "next request")
+
     def _abandon(self, b) -> None:
         """The traffic left bucket ``b`` during its trial: back to the mode before it."""
         before = not self._trying.pop(b)
@@ -135,10 +153,12 @@ class DraftGate:
         mode's, so nothing else should change meanwhile)?"""
         return self.bucket(batch, sampled) in self._trying
 
-    def mode(self, batch: int, sampled: bool = False) -> bool:
-        """The mode a step of ``batch`` requests would get now (no bookkeeping; a trial
-        that falls due at that step aside)."""
+    def mode(self, batch: int, sampled: bool = False, key=None) -> bool:
+        """The mode a step of ``batch`` requests (of request ``key``) would get now (no
+        bookkeeping; a trial that falls due at that step aside)."""
         b = self.bucket(batch, sampled)
+        if key is not None and self._scope.get(b, key) != key:
+            return True  # a new request after a verdict scoped to the last one
         return self._mode[b] if b in self._mode else self.first_mode(b)
 
     def first_mode(self, b) -> bool:
@@ -183,6 +203,8 @@ class DraftGate:
         # on the same request a tie is no evidence: the mode from before the trial stays
         on = r_on * (1 + self.margin) > r_off if not self._mode[b] else \
             r_on > r_off * (1 + self.margin)
+        if not on and self._trying.get(b) is False:
+            self._scope[b] = key  # plain decoding won its trial: on this request
         self._note(b, on, "paired", r_on, r_off)
         return on
 

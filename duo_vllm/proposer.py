@@ -343,7 +343,8 @@ class DuoProposer:
         temps_or_0 = temps or [0.0] * len(rows)
         keys = self._request_keys(rows)
         if self._runner is not None and self._gated:  # it needs request ids to count tokens
-            was_on, self._on = self._on, self.gate.drafting(len(rows), self._sampled)
+            key = keys[0] if len(rows) == 1 else None  # batch 1: the gate pairs by request
+            was_on, self._on = self._on, self.gate.drafting(len(rows), self._sampled, key)
             if was_on and not self._on:
                 self._pause_draft()
             self._lookups_on, self._lookup_trial = self._lookup_mode(len(rows))
@@ -580,7 +581,9 @@ class DuoProposer:
         temps = [getattr(getattr(r, "sampling_params", None), "temperature", 0.0) or 0.0
                  for r in new_reqs]
         sampled = self._sampled or any(t > 1e-5 for t in temps)
-        return self.gate.mode(batch or self._last_step[0] + len(new_reqs), sampled)
+        batch = batch or self._last_step[0] + len(new_reqs)
+        key = getattr(new_reqs[0], "req_id", None) if batch == 1 and len(new_reqs) == 1 else None
+        return self.gate.mode(batch, sampled, key)
 
     def hold(self, held: bool = True) -> None:
         """Hold drafting off (``held``), or let it go on: while held, every step is plain

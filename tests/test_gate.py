@@ -213,14 +213,15 @@ def test_modes_that_tie_are_not_swapped_more_than_once_a_retry_interval(gate_cla
     assert len(switches(modes)) <= 3000 // 256 + 1
 
 
-def run_requests(gate, lengths, rates, keyed=True):
+def run_requests(gate, lengths, rates, keyed=True, told=True):
     """Batch-1 traffic: request i runs ``lengths[i]`` steps at ``rates[i]`` = (on, off)
-    tokens/s. Returns the modes chosen per request."""
+    tokens/s (``keyed``: the steps are paired by request; ``told``: the gate also
+    learns each step's request before it chooses). Returns the modes chosen per request."""
     modes = []
     for i, (n, (rate_on, rate_off)) in enumerate(zip(lengths, rates)):
         mine = []
         for _ in range(n):
-            on = gate.drafting(1)
+            on = gate.drafting(1, key=i if keyed and told else None)
             mine.append(on)
             gate.observe(1, on, tokens=1, seconds=1 / (rate_on if on else rate_off),
                          key=i if keyed else None)
@@ -241,6 +242,25 @@ def test_a_trial_on_a_request_that_is_fast_either_way_does_not_turn_drafting_off
     # where plain decoding is faster on every request, the paired verdict finds it too
     modes = run_requests(DraftGate(), lengths, [(50.0, 100.0)] * 15)
     assert sum(on for m in modes[3:] for on in m) / sum(lengths[3:]) < 0.15
+
+
+def test_a_paired_verdict_for_plain_decoding_holds_for_its_own_request_only():
+    """Batch 1: one request the draft cannot follow (a long article) among requests it
+    serves well. Plain decoding wins its trial on that request, paired; the next
+    request tries drafting again at once rather than wait a retry interval."""
+    lengths = [100] * 3 + [150] + [100] * 6
+    rates = [(70.0, 25.0)] * 3 + [(20.0, 30.0)] + [(70.0, 25.0)] * 6
+    modes = run_requests(DraftGate(), lengths, rates)
+    assert sum(modes[3]) < 0.25 * len(modes[3])  # off for the rest of the hard request
+    assert all(all(m[8:]) for m in modes[4:6])  # on from the next one (after its warm-up)
+    # not told the step's request, the gate carries the verdict to the requests after it
+    assert not any(run_requests(DraftGate(), lengths, rates, told=False)[4])
+    # a request where drafting still loses: plain decoding holds after the one trial
+    modes = run_requests(DraftGate(), lengths, [(70.0, 25.0)] * 3 + [(20.0, 30.0)] * 7)
+    assert sum(on for m in modes[5:] for on in m) / sum(lengths[5:]) < 0.15
+    gate = DraftGate()
+    run_requests(gate, lengths[:4], rates[:4])
+    assert gate.mode(1, key=3) is False and gate.mode(1, key=4) is True  # a peek
 
 
 def test_the_log_keeps_each_trial_and_verdict_with_how_it_was_reached():

@@ -211,7 +211,7 @@ def test_the_target_gets_the_draft_cores_exactly_while_the_draft_model_is_off(cl
     w = FakeWorker()
     p, calls = lending(w)
     modes = iter([True, True, False, False, True])
-    p.gate.drafting = lambda b, sampled: next(modes)
+    p.gate.drafting = lambda b, sampled, key=None: next(modes)
     served = []
     for _ in range(5):
         sampled, n, ids = inputs([[1, 2]])
@@ -229,7 +229,7 @@ def test_steps_on_the_lent_cores_are_no_samples_of_the_drafting_step_time(clock)
     w = FakeWorker(drafts=[[]])
     p, _ = lending(w)
     on = {"v": True}
-    p.gate.drafting = lambda b, sampled: on["v"]
+    p.gate.drafting = lambda b, sampled, key=None: on["v"]
     sampled, n, ids = inputs([[1, 2]])
     for i in range(20):  # drafting: the target alone on its core, 60 ms a step
         p.propose(sampled, n, ids)
@@ -246,7 +246,7 @@ def test_vllms_engine_core_sits_on_the_draft_cores_only_while_the_draft_drafts(c
     places = []
     p._engine_place = SimpleNamespace(use=places.append)
     modes = iter([True, True, False, False, True])
-    p.gate.drafting = lambda b, sampled: next(modes)
+    p.gate.drafting = lambda b, sampled, key=None: next(modes)
     sampled, n, ids = inputs([[1, 2]])
     for _ in range(5):
         p.propose(sampled, n, ids)
@@ -285,7 +285,7 @@ class IdleWorker(FakeWorker):
 def test_a_draft_side_with_nothing_to_run_beside_the_step_lends_its_cores_for_it(clock):
     w = IdleWorker(drafts=[[]])
     p, calls = lending(w)
-    p.gate.drafting = lambda b, sampled: True  # drafting pays at this batch size
+    p.gate.drafting = lambda b, sampled, key=None: True  # drafting pays at this batch size
     sampled, n, ids = inputs([[1, 2]])
     p.propose(sampled, n, ids)  # nothing served, nothing pre-drafted: lent
     assert calls == [] and p._threads.lent and len(w.calls) == 1
@@ -310,7 +310,7 @@ def test_an_idle_draft_side_lends_only_where_no_matmul_would_need_remaking(clock
     p, calls = lending(w)
     p._hooked = True
     p.load_model(torch.nn.ModuleList([onednn_layer(ops, "q", 960, 576)]))
-    p.gate.drafting = lambda b, sampled: True
+    p.gate.drafting = lambda b, sampled, key=None: True
     p._lend(False)
     p.before_step(3)  # a drafting step of one request and 2 draft tokens, on one thread
     sampled, n, ids = inputs([[1, 2]])
@@ -322,7 +322,7 @@ def test_an_idle_draft_side_lends_only_where_no_matmul_would_need_remaking(clock
     p.before_step(2)
     assert p._primitives.refreshes == 0 and p._primitives.made[2] is True
     # new prompts the draft prefills beside the target's prefill: the draft's cores
-    p._prefetch, p.gate.mode = True, lambda b, sampled: True
+    p._prefetch, p.gate.mode = True, lambda b, sampled, key=None: True
     p.on_new_requests([SimpleNamespace(prompt_token_ids=[1, 2, 3],
                                        sampling_params=SimpleNamespace(temperature=0.0))],
                       batch=2)
@@ -343,11 +343,11 @@ def test_prompts_the_draft_will_not_draft_for_are_prefilled_on_the_lent_cores(cl
     w = Pausing()
     p, calls = lending(w)
     p._prefetch = True
-    p.gate.drafting = lambda b, sampled: True
+    p.gate.drafting = lambda b, sampled, key=None: True
     sampled, n, ids = inputs([[1, 2]])
     p.propose(sampled, n, ids)  # drafting at batch 1: one thread
     assert calls == [1]
-    p.gate.mode = lambda b, sampled: b < 4  # off from batch 4 up
+    p.gate.mode = lambda b, sampled, key=None: b < 4  # off from batch 4 up
     new = [SimpleNamespace(prompt_token_ids=[1, 2, 3],
                            sampling_params=SimpleNamespace(temperature=0.0))] * 15
     p.on_new_requests(new, batch=16)
@@ -378,7 +378,7 @@ def test_long_prompts_are_prefilled_on_the_lent_cores_and_short_ones_beside_the_
     w.idle = False
     p, calls = lending(w)
     p._prefetch, p.max_model_len = True, 2048
-    p.gate.drafting = p.gate.mode = lambda b, sampled: True
+    p.gate.drafting = p.gate.mode = lambda b, sampled, key=None: True
     sampled, n, ids = inputs([[1, 2]])
     p.propose(sampled, n, ids)  # drafting: the draft's core is its own
     assert calls == [1] and p._window == 256

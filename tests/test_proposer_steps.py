@@ -150,7 +150,7 @@ def test_gate_off_means_no_call_to_the_draft_side(clock):
     p = bare(w)
     ids_batch = SimpleNamespace(temperature_cpu=np.zeros(2, dtype=np.float32), req_ids=["a", "b"])
     p.attach_runner(SimpleNamespace(input_batch=ids_batch))
-    p.gate.drafting = lambda batch, sampled: False  # plain decoding measured faster
+    p.gate.drafting = lambda batch, sampled, key=None: False  # plain decoding measured faster
     sampled, n, ids = inputs([[1, 2], [3, 4]])
     assert p.propose(sampled, n, ids) == [[], []]
     assert w.calls == []
@@ -162,17 +162,20 @@ def test_the_gate_sees_the_tokens_each_step_produced(clock):
     p = bare(w)
     batch = SimpleNamespace(temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])
     p.attach_runner(SimpleNamespace(input_batch=batch))
-    seen = []
+    seen, told = [], []
     p.gate.observe = lambda b, on, tokens, seconds, sampled, key: seen.append(
         (b, on, tokens, seconds, key))
+    p.gate.drafting = lambda b, sampled, key=None: told.append(key) or True
     ctx = [1, 2]
     for _ in range(3):
         sampled, n, ids = inputs([ctx])
         p.propose(sampled, n, ids)
         clock.now += 0.1
         ctx = ctx + [7, 7, 7]  # three tokens per step (two accepted + one sampled)
-    # at batch 1 each sample names its request: the gate pairs a trial with it
+    # at batch 1 each sample names its request: the gate pairs a trial with it, and
+    # knows each step's request before it chooses (a verdict may hold for one request)
     assert seen == [(1, True, 3, pytest.approx(0.1), "a")] * 2
+    assert told == ["a"] * 3
 
 
 def test_without_the_gate_or_with_a_fixed_budget_every_step_drafts(clock):
@@ -183,7 +186,7 @@ def test_without_the_gate_or_with_a_fixed_budget_every_step_drafts(clock):
         p._init_step_state()
         p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
             temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])))
-        p.gate.drafting = lambda batch, sampled: False
+        p.gate.drafting = lambda batch, sampled, key=None: False
         sampled, n, ids = inputs([[1, 2]])
         assert p.propose(sampled, n, ids) == [[1, 2, 3, 4]]
 
@@ -272,7 +275,7 @@ def test_the_gate_turning_drafting_off_pauses_the_draft_side_and_prompts_follow_
     batch = SimpleNamespace(temperature_cpu=np.zeros(2, dtype=np.float32), req_ids=["a", "b"])
     p.attach_runner(SimpleNamespace(input_batch=batch))
     modes = iter([True, False, False, True])
-    p.gate.drafting = lambda b, sampled: next(modes)
+    p.gate.drafting = lambda b, sampled, key=None: next(modes)
     for _ in range(4):
         sampled, n, ids = inputs([[1, 2], [3, 4]])
         p.propose(sampled, n, ids)
@@ -280,18 +283,22 @@ def test_the_gate_turning_drafting_off_pauses_the_draft_side_and_prompts_follow_
     new = [SimpleNamespace(prompt_token_ids=[1, 2, 3],
                            sampling_params=SimpleNamespace(temperature=0.0))]
     asked = []
-    p.gate.mode = lambda b, sampled: asked.append((b, sampled)) or b < 3
+    p.gate.mode = lambda b, sampled, key=None: asked.append((b, sampled, key)) or b < 3
     p.on_new_requests(new, batch=1)  # the scheduler's count: one request, where it drafts
-    assert w.prefetched == [[3]] and asked[-1] == (1, False)
+    assert w.prefetched == [[3]] and asked[-1] == (1, False, None)
+    new[0].req_id = "c"  # vLLM names it: at batch 1 the gate is asked for that request
+    w.prefetched.clear()
+    p.on_new_requests(new, batch=1)
+    assert asked[-1] == (1, False, "c")
     w.prefetched.clear()
     p.on_new_requests(new)  # no count: two running + one new, 3 requests: the gate is off
-    assert w.prefetched == [] and asked[-1] == (3, False)
+    assert w.prefetched == [] and asked[-1] == (3, False, None)
     p._last_step = (1, 0)  # one running request: 2 with the new one, where the gate drafts
     p.on_new_requests(new)
     assert w.prefetched == [[3]]
     p.on_new_requests([SimpleNamespace(prompt_token_ids=[5, 6],
                                        sampling_params=SimpleNamespace(temperature=0.7))])
-    assert asked[-1] == (2, True)  # a sampled newcomer makes the batch a sampled one
+    assert asked[-1] == (2, True, None)  # a sampled newcomer makes the batch a sampled one
 
 
 def test_held_drafting_is_plain_decoding_with_an_idle_draft_side_and_resumes(clock):
@@ -330,7 +337,7 @@ def test_with_the_model_off_a_second_gate_picks_lookups_or_plain_decoding(clock)
         temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])))
     for e in range(0, 5):  # verifying a token is nearly free: a lookup token pays
         p.step_time.observe(1, e, 0.050 + 0.0001 * e)
-    p.gate.drafting = lambda b, sampled: False  # the draft model is off
+    p.gate.drafting = lambda b, sampled, key=None: False  # the draft model is off
     modes = iter([True, False, False])
     p.lookup_gate.drafting = lambda b, sampled: next(modes)
     seen, seen_lookup = [], []
@@ -362,7 +369,7 @@ def test_the_lookup_gate_is_only_asked_while_the_draft_model_is_off(clock):
     p.lookup = ContextLookup(min_n=2, max_n=4)
     p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
         temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])))
-    p.gate.drafting = lambda b, sampled: True
+    p.gate.drafting = lambda b, sampled, key=None: True
     p.lookup_gate.drafting = lambda b, sampled: pytest.fail("asked with the model on")
     p.lookup_gate.observe = lambda *a: pytest.fail("a model step is no lookup-gate sample")
     for ctx in ([5, 6, 7, 5, 6], [5, 6, 7, 5, 6, 7, 9]):
@@ -381,7 +388,7 @@ def test_while_the_model_gate_tries_plain_decoding_the_lookup_gate_holds_its_mod
     p.lookup = ContextLookup(min_n=2, max_n=4)
     p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
         temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])))
-    p.gate.drafting = lambda b, sampled: False
+    p.gate.drafting = lambda b, sampled, key=None: False
     p.gate.trying = lambda b, sampled: True  # a trial of "off" is under way
     p.lookup_gate.mode = lambda b, sampled: False  # the lookup gate has plain decoding
     p.lookup_gate.drafting = lambda b, sampled: pytest.fail("a lookup trial inside it")
