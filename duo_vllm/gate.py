@@ -93,7 +93,7 @@ class DraftGate:
         self._steps += 1
         if b not in self._mode:
             self._mode[b] = self.first_mode(b)
-        if key is not None and self._scope.get(b, key) != key:
+        if self._next_request(b, key):
             self._try_again(b)
         if b in self._trying and self._steps - self._trial_at[b] > \
                 self.abandon_after * (self.trial_steps + self.warmup_steps):
@@ -131,6 +131,11 @@ class DraftGate:
             self.plain_steps += 1
         return on
 
+    def _next_request(self, b, key) -> bool:
+        """Does request ``key`` follow the one a paired verdict for plain decoding in
+        bucket ``b`` was scoped to?"""
+        return key is not None and self._scope.get(b, key) != key
+
     def _try_again(self, b) -> None:
         """A new request after a paired verdict for plain decoding on the one before:
         drafting is on trial on this one (its warm-up, then a verdict on the rates)."""
@@ -157,7 +162,7 @@ class DraftGate:
         """The mode a step of ``batch`` requests (of request ``key``) would get now (no
         bookkeeping; a trial that falls due at that step aside)."""
         b = self.bucket(batch, sampled)
-        if key is not None and self._scope.get(b, key) != key:
+        if self._next_request(b, key):
             return True  # a new request after a verdict scoped to the last one
         return self._mode[b] if b in self._mode else self.first_mode(b)
 
