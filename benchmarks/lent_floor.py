@@ -1,10 +1,10 @@
 """Lent steps against plain vLLM on the same cores, in one process.
 
-    python -m benchmarks.lent_floor [--rounds 2] [--max-tokens 64]
+    python -m benchmarks.lent_floor [--rounds 2] [--max-tokens 64] [--batch 1]
 
 Two engines bound to cores 0-1: plain vLLM, and duo-lend (DuoProposer, the
 target lending core 1 to the draft). Each round runs the same short prompts
-(qa, math, translation; batch 1, greedy) four ways, one after the other:
+(qa, math, translation; greedy, ``--batch`` at a time) four ways, one after the other:
 duo-lend drafting; duo-lend held (``DuoProposer.hold``: no draft work, every
 step on both cores, vLLM's speculative step with empty drafts); held again
 after the target's oneDNN primitives were emptied (``MatmulPrimitives.refresh``:
@@ -44,6 +44,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--per-task", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=1, help="prompts per generate() call")
     args = ap.parse_args(argv)
     os.environ.update(VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="2",
                       VLLM_ALLOW_INSECURE_SERIALIZATION="1")
@@ -68,11 +69,11 @@ def main(argv=None) -> None:
 
     def run(llm) -> float:
         tokens = seconds = 0.0
-        for p in prompts:
+        for i in range(0, len(prompts), args.batch):
             t0 = time.perf_counter()
-            out = llm.generate([p], params, use_tqdm=False)[0]
+            outs = llm.generate(prompts[i:i + args.batch], params, use_tqdm=False)
             seconds += time.perf_counter() - t0
-            tokens += len(out.outputs[0].token_ids)
+            tokens += sum(len(o.outputs[0].token_ids) for o in outs)
         return tokens / seconds
 
     res: dict[str, list[float]] = {w: [] for w in WAYS}

@@ -161,6 +161,9 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         "predraft_hit_rate": d["predraft_hits"] / d["requests"] if d["requests"] else 0.0,
         "branch_hit_rate": (d["predraft_hits"] / d["predraft_lookups"]
                             if d["predraft_lookups"] else 0.0),
+        # request-steps without a hit, by why (no tree: unplanned or cut; rejected; bonus)
+        "predraft_misses": {k: c - (before.get("predraft_misses") or {}).get(k, 0)
+                            for k, c in (after.get("predraft_misses") or {}).items()},
         "draft_tokens_per_step": d["returned_tokens"] / d["steps"] if d["steps"] else 0.0,
         "busy_fraction": after.get("busy_fraction"),
         # the draft core's work in this shape: seconds busy, tokens evaluated
@@ -550,7 +553,8 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                          "way; engine averages), drafting on the spot "
                          f"{_f(c.get('sync_ms_per_draft_step'), '{:.1f}')} ms per draft-model step "
                          f"({c.get('sync_calls')} calls; misses served a lookup draft "
-                         f"instead {c.get('lookup_misses')})"
+                         f"instead {c.get('lookup_misses')}; pre-draft misses by why "
+                         f"{c.get('predraft_misses')})"
                          + (f"; steps on the draft's core too {c['lent_steps']} "
                             f"({c.get('lend_switches')} switches, oneDNN matmuls remade "
                             f"{c.get('matmul_remakes')} times; prompts prefilled on every "

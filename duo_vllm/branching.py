@@ -106,6 +106,17 @@ class Tree:
     branches: list[Branch] = field(default_factory=list)
 
 
+def miss_reason(tree: Tree | None, context: np.ndarray) -> str:
+    """Why :func:`select_branch` finds no branch for ``context``: ``"no_tree"`` (nothing
+    was pre-drafted), ``"rejected"`` (the target did not accept the whole draft the
+    tree continues) or ``"bonus"`` (it did, but its next token starts no branch)."""
+    if tree is None:
+        return "no_tree"
+    if len(context) != len(tree.prefix) + 1 or not np.array_equal(context[:-1], tree.prefix):
+        return "rejected"
+    return "bonus"
+
+
 def select_branch(tree: Tree | None, context: np.ndarray) -> Branch | None:
     """The branch that continues ``context``, if the pre-draft foresaw it.
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .branching import (
-    Branch, Tree, branch_candidates, select_branch, split_budget, top_candidates,
+    Branch, Tree, branch_candidates, miss_reason, select_branch, split_budget, top_candidates,
 )
 from .lookup import Hint, serve as serve_rule
 from .goodput import (
@@ -112,6 +112,7 @@ class DuoDrafter:
         self.trees: dict[int, Tree] = {}
         self.last_draft: dict[int, tuple[int, list[int], str]] = {}
         self.jobs: list[_Job] = []
+        self.planned: set[int] = set()  # slots whose pre-draft was planned at the last step
         self.stats = DraftStats()
         self.token_s = Ema()  # draft time per evaluated token (decode widths <= 16)
         self.prefill_s = Ema()  # draft time per token of long prefills
@@ -213,6 +214,8 @@ class DuoDrafter:
         for r, n in zip(hits, served):
             out[r.row], qs[r.row] = self._take_branch(r.slot, r.tree, r.branch, n)
             st.predraft_hits += 1
+            if not r.available:  # its branch holds the target's token only: nothing to serve
+                st.misses["shallow"] += 1
             st.branch_hits[r.tree.branches.index(r.branch)] += 1
         if chosen and depth > 0:
             t_sync = time.perf_counter()
@@ -283,6 +286,11 @@ class DuoDrafter:
                 st.predraft_lookups += 1
             branch = select_branch(tree, ctx) if serve else None
             catch_up, background = 0, False
+            if serve and branch is None:
+                why = miss_reason(tree, ctx)
+                if why == "no_tree":
+                    why = "cut" if slot.seq_id in self.planned else "unplanned"
+                st.misses[why] += 1
             if branch is None:
                 self._clear_tree(slot.seq_id)
                 catch_up = len(ctx) - a.reuse
@@ -466,6 +474,7 @@ class DuoDrafter:
         of it is accepted (the pre-draft's branches continue it).
         """
         self.jobs = []
+        self.planned = set()  # slots with a pre-draft queued for the next step
         policy = self.policy
         if not policy.predrafts:
             return
@@ -502,6 +511,7 @@ class DuoDrafter:
         for r, p, m in zip(rows, prefixes, depths):
             if m > 0:  # a request planned no draft is not even caught up
                 self.jobs.append(_Job(r.slot.seq_id, p, m, r.temperature))
+        self.planned = {job.slot_id for job in self.jobs}
 
     # -- ahead of time, while vLLM verifies ------------------------------------
     def deadline_after(self, returned_at: float) -> float | None:

@@ -36,6 +36,7 @@ PREFIX = "duo:"
 # label names of the nested dicts DuoProposer.stats() returns; any other dict gets "key"
 LABELS = {
     "branch_hits_by_rank": "rank",
+    "predraft_misses": "reason",
     "branch_count_distribution": "branches",
     "chosen_lengths": "length",
     "draft_call_ms_by_width": "width",

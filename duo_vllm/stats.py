@@ -29,6 +29,9 @@ class DraftStats:
     predraft_hits: int = 0  # served from a branch, no waiting
     predraft_lookups: int = 0  # request-steps that had a branch tree to look in
     branch_hits: collections.Counter = field(default_factory=collections.Counter)  # by rank
+    # request-steps without a hit, by why (branching.miss_reason; "unplanned": no tree
+    # since no pre-draft was planned, "cut": planned, stopped before its tree)
+    misses: collections.Counter = field(default_factory=collections.Counter)
     branch_counts: collections.Counter = field(default_factory=collections.Counter)
     chosen_lengths: collections.Counter = field(default_factory=collections.Counter)
     returned_tokens: int = 0
@@ -62,6 +65,7 @@ class DraftStats:
             "predraft_hit_rate": self.predraft_hits / self.requests if self.requests else 0.0,
             "branch_hit_rate": self.predraft_hits / lookups if lookups else 0.0,
             "branch_hits_by_rank": dict(sorted(self.branch_hits.items())),
+            "predraft_misses": dict(sorted(self.misses.items())),
             "branch_count_distribution": dict(sorted(self.branch_counts.items())),
             "chosen_lengths": dict(sorted(self.chosen_lengths.items())),
             "draft_tokens_per_step": self.returned_tokens / self.steps if self.steps else 0.0,

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from duo_vllm.branching import (
-    Branch, Tree, branch_candidates, select_branch, split_budget, top_candidates,
+    Branch, Tree, branch_candidates, miss_reason, select_branch, split_budget,
+    top_candidates,
 )
 
 
@@ -62,3 +63,9 @@ def test_select_branch_needs_full_acceptance_and_a_matching_first_token():
     assert select_branch(tree, np.array([1, 2, 7])) is None  # partial accept
     assert select_branch(tree, np.array([1, 2, 4, 7])) is None  # different prefix
     assert select_branch(None, np.array([1])) is None
+    # and why not, where it finds none
+    assert miss_reason(tree, np.array([1, 2, 3, 4])) == "bonus"
+    assert miss_reason(tree, np.array([1, 2, 7])) == "rejected"
+    assert miss_reason(tree, np.array([1, 2, 4, 7])) == "rejected"
+    assert miss_reason(tree, np.array([1, 2, 3, 5, 6])) == "rejected"  # a token too many
+    assert miss_reason(None, np.array([1])) == "no_tree"

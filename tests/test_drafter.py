@@ -96,6 +96,7 @@ def test_predraft_hit_serves_the_branch_without_evaluating():
     assert draft2 == be.chain(b, 3)
     assert be.evaluated == []  # nothing evaluated on the critical path
     assert d.stats.predraft_hits == 1
+    assert d.stats.misses == {"unplanned": 1}  # only the first step, before any pre-draft
 
 
 def test_partial_accept_is_a_miss_and_drafts_from_the_real_context():
@@ -105,8 +106,15 @@ def test_partial_accept_is_a_miss_and_drafts_from_the_real_context():
     (draft2,) = d.propose([ctx(1, 2, draft[0], 44)], [3])  # rejected at position 2
     assert draft2 == be.chain(44, 3)
     assert d.stats.predraft_hits == 0 and d.stats.predraft_lookups == 1
+    assert d.stats.misses == {"unplanned": 1, "rejected": 1}
     d.predraft()
     assert list(d.trees[0].prefix) == [1, 2, draft[0], 44, *draft2]
+    # the target accepts the draft but its next token is on no branch
+    d.propose([ctx(1, 2, draft[0], 44, *draft2, 99)], [3])
+    assert d.stats.misses["bonus"] == 1
+    # a pre-draft planned but never run (vLLM came back first): no tree, cut
+    d.propose([ctx(1, 2, draft[0], 44, *draft2, 99, 5)], [3])
+    assert d.stats.misses["cut"] == 1 and d.stats.as_dict()["predraft_misses"]["cut"] == 1
 
 
 def unsure_backend():

@@ -1,0 +1,156 @@
+"""Batch-1 greedy ceiling of DuoProposer on a cost table, replayed on stored outputs.
+
+    python -m benchmarks.ceiling [--results DIR ...] [--t1 0.136 --tl 0.099 --c 0.008 --d 0.040]
+
+Reads plain vLLM's greedy outputs (``token_ids``, ``prompt_ids``) from
+``benchmarks/results/*/engines/plain-*.out.json``, runs the draft GGUF once
+over each prompt and output (teacher-forced: the draft's greedy guess at every
+position, whole context) and replays decoding step by step, with no timing
+noise. Each step takes the better (tokens per second) of:
+
+- a *lent* step: the target on every core (``--tl`` a step), the lookup
+  draft (:func:`duo_vllm.lookup.find_continuation`, cut by
+  :func:`duo_vllm.lookup.paying_length` at α 0.74) verified at ``--c`` a token;
+- a *drafting* step: the target on its own cores (``--t1``), the draft
+  model's chain of ``n`` tokens (``(n + 1)·d <= t1 + c·n``: what it drafts
+  during one step, its guess of the target's next token included; less
+  ``--overhead-calls``) or the lookup draft, whichever is accepted further.
+
+Three ways the model's chain is ready: ``oracle`` (every step), ``designed``
+(the pre-draft's rule: the step before accepted its whole draft and the
+draft's top-1 guessed the target's next token; otherwise a lent step), and
+``spot`` (the same, a miss drafting 1-4 tokens on the spot while vLLM waits).
+The draft prefills each prompt (``--prefill-draft`` s a token) beside the
+target's own prefill (``--prefill-target``); until it is done, lent steps.
+Prints each task's median of plain-on-every-core time over this time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+
+import numpy as np
+
+from duo_vllm.lookup import common_prefix, find_continuation, paying_length
+
+
+def stored_outputs(dirs) -> list[tuple[str, list[int], list[int]]]:
+    """(task, prompt ids, greedy output ids) of every distinct prompt in the results."""
+    seen: dict = {}
+    for d in dirs:
+        for f in sorted(glob.glob(os.path.join(d, "engines", "plain-*.out.json"))):
+            for shape in json.load(open(f)).get("shapes", []):
+                if shape.get("temperature", 0) != 0:
+                    continue
+                for row in shape["rows"]:
+                    ids = list(zip(row.get("prompt_ids") or (), row.get("token_ids") or ()))
+                    for p, o in ids:  # a batch's row names no task: a batch-1 row's does
+                        task = row.get("task") if len(ids) == 1 else None
+                        if seen.get(tuple(p), (None,))[0] is None:
+                            seen[tuple(p)] = (task, list(p), list(o))
+    return [(task or "other", p, o) for task, p, o in seen.values()]
+
+
+def draft_guesses(model_path: str, rows) -> list[list[int]]:
+    """The draft's greedy token for each output position, given the true context."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path, n_ctx=4096, logits_all=True, n_threads=os.cpu_count(),
+                n_batch=512, verbose=False)
+    out = []
+    for _, p, o in rows:
+        llm.reset()
+        llm.eval(p + o)
+        scores = np.asarray(llm.scores[len(p) - 1:len(p) + len(o) - 1])
+        out.append(scores.argmax(-1).tolist())
+    return out
+
+
+def replay(p, o, guess, t1, tl, c, d, prefill_target, prefill_draft, ready_rule, k=8,
+           overhead_calls=0):
+    """(plain on every core, this) seconds for one request. ``overhead_calls``: draft
+    calls of each pre-draft that add no token to the next step's chain."""
+    ctx = np.asarray(p + o, dtype=np.int64)
+    # each step advances n + 1 tokens when all are accepted: the draft makes n + 1 (its
+    # guess of the target's own next token included) while the target verifies n
+    n_model = max(1, min(k, int((t1 - d) // max(d - c, 1e-9)) - overhead_calls))
+    plain = len(p) * prefill_target * tl / t1 + (len(o) - 1) * tl
+    t, ready, i, hit = len(p) * prefill_target, len(p) * prefill_draft, 1, False
+
+    def chain(m):  # the model's draft of m tokens: accepted as far as it guesses right
+        r = 0
+        while i + r < len(o) and r < m and guess[i + r] == o[i + r]:
+            r += 1
+        return r
+
+    while i < len(o):
+        lk = find_continuation(ctx[:len(p) + i], k, 2, 8).tolist()
+        lk = lk[:paying_length(1.0, 0.74, len(lk), c / tl)]
+        a_l = common_prefix(lk, o[i:])
+        options = [((a_l + 1) / (tl + c * len(lk)), tl + c * len(lk), a_l, len(lk))]
+        if t >= ready:
+            if ready_rule == "oracle" or hit:
+                tries = [(n_model, 0.0)]
+            elif ready_rule == "spot":
+                tries = [(m, m * d) for m in range(1, 5)]
+            else:
+                tries = []
+            for m, wait in tries:
+                r = chain(m)
+                a, served = (r, m) if r >= a_l else (a_l, max(len(lk), m))
+                step = wait + t1 + c * served
+                options.append(((a + 1) / step, step, a, served))
+        _, step, a, served = max(options)
+        t += step
+        pos = i + a
+        hit = a == served and pos < len(o) and guess[pos] == o[pos]
+        i += a + 1
+    return plain, t
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap.add_argument("--results", nargs="*",
+                    default=sorted(glob.glob(os.path.join(here, "results", "*"))))
+    ap.add_argument("--draft", default=None,
+                    help="draft GGUF (default: the package's, as DuoProposer prepares it)")
+    ap.add_argument("--t1", type=float, default=0.136, help="target step, own cores, s")
+    ap.add_argument("--tl", type=float, default=0.099, help="target step, every core, s")
+    ap.add_argument("--c", type=float, default=0.008, help="verify, per draft token, s")
+    ap.add_argument("--d", type=float, default=0.040, help="draft call, one token, s")
+    ap.add_argument("--overhead-calls", type=int, default=1,
+                    help="for the last two rows: draft calls a step that add no token (one: "
+                         "the pre-draft's deadline cuts the last call a step)")
+    ap.add_argument("--prefill-target", type=float, default=0.0014)
+    ap.add_argument("--prefill-draft", type=float, default=0.006)
+    args = ap.parse_args(argv)
+    from duo_vllm.models import default_draft_gguf, prepare_draft
+
+    rows = stored_outputs(args.results)
+    guesses = draft_guesses(args.draft or prepare_draft(default_draft_gguf()), rows)
+    agree = np.mean([np.mean(np.asarray(g) == np.asarray(o)) for (_, _, o), g in zip(rows, guesses)])
+    print(f"{len(rows)} prompts; the draft's greedy guess agrees with the target's at "
+          f"{agree:.3f} of positions (whole context)")
+    print(f"cost table: t1 {args.t1 * 1e3:.0f} ms, every core {args.tl * 1e3:.0f} ms, verify "
+          f"{args.c * 1e3:.1f} ms/token, draft {args.d * 1e3:.0f} ms/token")
+    for rule, over in (("oracle", 0), ("designed", 0), ("spot", 0),
+                       ("designed", args.overhead_calls), ("spot", args.overhead_calls)):
+        per_task: dict = {}
+        for (task, p, o), g in zip(rows, guesses):
+            plain, t = replay(p, o, g, args.t1, args.tl, args.c, args.d,
+                              args.prefill_target, args.prefill_draft, rule,
+                              overhead_calls=over)
+            per_task.setdefault(task, []).append(plain / t)
+        every = [x for v in per_task.values() for x in v]
+        label = rule + (f", {over} call(s) fewer" if over else "")
+        print(f"{label:28s} all {np.median(every):.2f}x plain on every core; " + ", ".join(
+            f"{task} {np.median(v):.2f}x" for task, v in sorted(per_task.items())))
+
+
+if __name__ == "__main__":
+    main()
