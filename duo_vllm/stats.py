@@ -30,7 +30,8 @@ class DraftStats:
     predraft_lookups: int = 0  # request-steps that had a branch tree to look in
     branch_hits: collections.Counter = field(default_factory=collections.Counter)  # by rank
     # request-steps without a hit, by why (branching.miss_reason; "unplanned": no tree
-    # since no pre-draft was planned, "cut": planned, stopped before its tree)
+    # since no pre-draft was planned, "cut": planned, stopped before its tree), and
+    # "shallow": hits whose branch holds the target's token only (nothing served)
     misses: collections.Counter = field(default_factory=collections.Counter)
     branch_counts: collections.Counter = field(default_factory=collections.Counter)
     chosen_lengths: collections.Counter = field(default_factory=collections.Counter)
