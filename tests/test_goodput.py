@@ -173,6 +173,18 @@ def test_draft_time_model_interpolates_widths():
     assert d(128) == pytest.approx(0.300 * 128 / 100)
 
 
+def test_a_slow_narrow_width_is_bounded_by_a_wider_one_measured_since():
+    d = DraftTimeModel()
+    d.observe(1, 0.170)  # the draft's cold first call
+    d.observe(2, 0.040)
+    assert d(1) == pytest.approx(0.040)  # no call of one token costs more than of two
+    for _ in range(20):
+        d.observe(2, 0.036)
+    assert d(1) <= d(2) == pytest.approx(0.036, rel=0.05)
+    d.observe(1, 0.020)  # narrower and cheaper: its own estimate, not bounded from below
+    assert d(1) < 0.036 and d(2) == pytest.approx(0.036, rel=0.05)
+
+
 def test_acceptance_per_request_and_regime():
     acc = Acceptance(prior_weight=4)
     assert regime(0.0) == "greedy" and regime(0.7) == "sampled"
