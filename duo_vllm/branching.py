@@ -106,27 +106,28 @@ class Tree:
     branches: list[Branch] = field(default_factory=list)
 
 
+def accepted_whole(tree: Tree, context: np.ndarray) -> bool:
+    """Is ``context`` ``tree.prefix`` plus exactly one token (the target accepted the
+    whole draft the tree continues and sampled one more)?"""
+    return len(context) == len(tree.prefix) + 1 and np.array_equal(context[:-1], tree.prefix)
+
+
 def miss_reason(tree: Tree | None, context: np.ndarray) -> str:
     """Why :func:`select_branch` finds no branch for ``context``: ``"no_tree"`` (nothing
     was pre-drafted), ``"rejected"`` (the target did not accept the whole draft the
     tree continues) or ``"bonus"`` (it did, but its next token starts no branch)."""
     if tree is None:
         return "no_tree"
-    if len(context) != len(tree.prefix) + 1 or not np.array_equal(context[:-1], tree.prefix):
-        return "rejected"
-    return "bonus"
+    return "bonus" if accepted_whole(tree, context) else "rejected"
 
 
 def select_branch(tree: Tree | None, context: np.ndarray) -> Branch | None:
     """The branch that continues ``context``, if the pre-draft foresaw it.
 
-    It does when ``context`` is ``tree.prefix`` plus exactly one token (the
-    target accepted the whole draft and sampled one more) and that token
-    starts a branch.
+    It does when the target accepted the whole draft and sampled one more
+    token (:func:`accepted_whole`) and that token starts a branch.
     """
-    if tree is None or len(context) != len(tree.prefix) + 1:
-        return None
-    if not np.array_equal(context[:-1], tree.prefix):
+    if tree is None or not accepted_whole(tree, context):
         return None
     b = int(context[-1])
     for br in tree.branches:
