@@ -34,6 +34,7 @@ Methods (2-core machine: DuoProposer's target on core 0, its draft on core 1):
   duo-lend-nogate  duo-lend without the gate: the draft model drafts at every step (the
                gate's ablation)
   duo-fullctx  duo-full with the draft seeing whole contexts (no draft_window)
+  duo-lend-fullctx  duo-lend with the draft seeing whole contexts
   spec-empty   vLLM's speculative step with empty drafts (benchmarks/oracle.py), target on
                core 0: the floor of a proposer that turns drafting off
   spec-empty-all  spec-empty with the target on every core (plain-all's floor)
@@ -89,6 +90,8 @@ METHODS = {
                                         "budget": "auto", "lookup": False}),
     "duo-fullctx": dict(bind="0", duo={"parallel": True, "multi_sequence": True,
                                        "budget": "auto", "draft_window": 0}),
+    "duo-lend-fullctx": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
+                                             "budget": "auto", "draft_window": 0}),
     "spec-empty": dict(bind="0", spec={"model": "benchmarks.oracle.EmptyProposer",
                                        "num_speculative_tokens": K}),
     "plain-all-iomp": dict(bind="0-1", spec=None, iomp=True),

@@ -490,7 +490,7 @@ class DuoDrafter:
                         for r, p in zip(rows, prefixes)]
             hit_p = [p_served[r.row] * r.alpha for r in rows]
             depths = plan_predraft([r.alpha for r in rows], hit_p, [r.k for r in rows],
-                                   catch_up, 0.9 * self.expected_step_s, self.draft_time,
+                                   catch_up, self.expected_step_s, self.draft_time,
                                    min_gain=cost.per_token * batch / cost.t0)
             for i, r in enumerate(rows):
                 # a probe: acceptance may have risen since. Not of a row that would first
@@ -537,7 +537,7 @@ class DuoDrafter:
         def stop(width: int) -> bool:
             """Stop before a decode call of ``width`` tokens that would end past the deadline."""
             return interrupt() or (deadline is not None and time.perf_counter()
-                                   + 0.8 * self.draft_time(width) > deadline)
+                                   + 0.5 * self.draft_time(width) > deadline)
         try:
             self._predraft(jobs, interrupt, stop)
         except Exception:

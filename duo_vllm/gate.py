@@ -45,10 +45,12 @@ class DraftGate:
     that copies its prompt (fast in any mode) must not beat drafting measured
     on a harder one. Such a paired verdict against drafting speaks for its own
     request: when the next one starts (``drafting`` is told the step's
-    ``key``), drafting is on trial again there, judged on the recent rates,
-    and plain decoding holds only if it still wins (one hard request, a long
-    article the draft cannot follow, does not keep drafting off for the
-    requests after it).
+    ``key``), drafting is on trial again there, and plain decoding holds only
+    if it still wins (one hard request, a long article the draft cannot
+    follow, does not keep drafting off for the requests after it). Where the
+    recent rates favour plain decoding, measured on the requests before, which
+    may have been easier, plain decoding's trial follows on the same request,
+    and the verdict is paired on it.
     """
 
     labels = ("on", "off")  # the two modes' names in :meth:`rates`
@@ -71,6 +73,8 @@ class DraftGate:
         self._clock: dict = {}  # bucket -> steps seen
         self._lost: dict = {}  # (bucket, mode) -> its retries in a row that lost
         self._trying: dict = {}  # bucket -> the mode under a retry's trial
+        # bucket -> the mode under trial on a new request after a scoped verdict
+        self._pairing: dict = {}
         self.paired_steps = paired_steps
         self._paired: dict = {}  # bucket -> {(key, on): [tokens, seconds, steps]}
         self._scope: dict = {}  # bucket -> the request a paired verdict for plain decoding holds for
@@ -117,6 +121,9 @@ class DraftGate:
                 paired = self._paired.get(b, {})
                 for k in [k for k in paired if k[1] == on]:
                     del paired[k]
+            elif self._pairing.get(b) is True and self._best_pair(b) is None \
+                    and not self.faster_on(b):
+                on = self._pair(b)  # the same request in plain decoding, then a verdict
             elif b in self._trying:  # the end of a trial: judge; between trials, keep the mode
                 on = self._verdict(b)
                 if self._trying.pop(b) == self._mode[b]:
@@ -143,11 +150,31 @@ class DraftGate:
         self._mode[b], self._run[b] = True, 0
         self._trying[b], self._trial_at[b] = True, self._steps
         self._sums.pop((b, True), None)
+        self._pairing[b] = True
         self._note(b, True, "next request")
+
+    def _pair(self, b) -> bool:
+        """Drafting's trial on a new request ended slower than plain decoding on the
+        requests before, with nothing to pair it with (plain decoding never ran on this
+        request): plain decoding's trial follows on the same request, so the verdict
+        compares the two modes on one request, not drafting on this one against plain
+        decoding on an easier one (a request copied at 71 tok/s against a hard one
+        drafted at 26 once kept drafting off for hundreds of steps). Where plain decoding
+        wins that, it has won on two requests in a row: it holds for the requests after
+        this one too (until a retry), as it did before."""
+        self._pairing[b] = False
+        self._trying[b], self._trial_at[b] = False, self._steps
+        self._sums.pop((b, False), None)
+        paired = self._paired.get(b, {})
+        for k in [k for k in paired if not k[1]]:
+            del paired[k]
+        self._note(b, False, "pairing")
+        return False
 
     def _abandon(self, b) -> None:
         """The traffic left bucket ``b`` during its trial: back to the mode before it."""
         before = not self._trying.pop(b)
+        self._pairing.pop(b, None)
         self._mode[b], self._run[b] = before, 0
         self._paired.pop(b, None)
         self._abandoned_at[b] = self._clock[b]
@@ -195,23 +222,30 @@ class DraftGate:
     def _verdict(self, b) -> bool:
         """The end of a trial: the faster mode on the request both modes ran on longest,
         where there is one (paired), else over the modes' recent steps."""
+        pairing = self._pairing.pop(b, None)
+        key = self._best_pair(b)
         paired = self._paired.pop(b, {})
-        both = [(min(paired[(k, True)][2], paired[(k, False)][2]), i, k)
-                for i, (k, on) in enumerate(paired) if on and (k, False) in paired]
-        best = max(both, default=None)
-        if best is None or best[0] < self.paired_steps:
+        if key is None:
             on = self.faster_on(b)
             self._note(b, on, "rates", self._rate.get((b, True)), self._rate.get((b, False)))
             return on
-        key = best[2]
         r_on, r_off = (paired[(key, m)][0] / paired[(key, m)][1] for m in (True, False))
         # on the same request a tie is no evidence: the mode from before the trial stays
         on = r_on * (1 + self.margin) > r_off if not self._mode[b] else \
             r_on > r_off * (1 + self.margin)
-        if not on and self._trying.get(b) is False:
+        if not on and self._trying.get(b) is False and pairing is not False:
             self._scope[b] = key  # plain decoding won its trial: on this request
         self._note(b, on, "paired", r_on, r_off)
         return on
+
+    def _best_pair(self, b):
+        """The request both modes ran on longest in bucket ``b``, if both ran at least
+        ``paired_steps`` steps on it (else None)."""
+        paired = self._paired.get(b, {})
+        both = [(min(paired[(k, True)][2], paired[(k, False)][2]), i, k)
+                for i, (k, on) in enumerate(paired) if on and (k, False) in paired]
+        best = max(both, default=None)
+        return None if best is None or best[0] < self.paired_steps else best[2]
 
     def _note(self, b, on: bool, how: str, *rates) -> None:
         """Log a trial or a verdict: (bucket's step, bucket, mode, how, the rates)."""

@@ -217,7 +217,7 @@ def test_controller_pre_drafts_what_fits_the_step_and_stops_at_the_deadline():
     served = d.last_draft[0][1]
     assert d.deadline_after(10.0) == pytest.approx(10.05 + 0.002 * len(served))
     job = d.jobs[0]
-    assert 1 <= job.evals <= 4  # catch-up + evals calls of 10 ms fit in 0.9 · 50 ms
+    assert 1 <= job.evals <= 4  # catch-up + evals calls of 10 ms fit in the 50 ms step
     d.predraft(deadline=0.0)  # already past: the catch-up only (the slot stays in sync)
     assert d.trees[0].branches[0].tokens == be.chain(int(d.trees[0].prefix[-1]), 1)
 

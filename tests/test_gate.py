@@ -263,6 +263,22 @@ def test_a_paired_verdict_for_plain_decoding_holds_for_its_own_request_only():
     assert gate.mode(1, key=3) is False and gate.mode(1, key=4) is True  # a peek
 
 
+def test_the_next_request_after_a_verdict_for_plain_decoding_is_judged_on_itself():
+    """Batch 1: plain decoding wins on an easy request (it copies its prompt, fast either
+    way); drafting's trial on the next, hard request is then paired with plain decoding
+    on that same request, not judged against the easy one's plain rate."""
+    lengths, rates = [60, 100], [(60.0, 70.0), (26.0, 15.0)]
+    modes = run_requests(DraftGate(trial_steps=10, warmup_steps=2), lengths, rates)
+    assert not any(modes[0][-30:])  # plain decoding won on the easy request
+    # the hard one: drafting's trial, plain decoding's on the same request, then drafting
+    assert modes[1][:23] == [True] * 12 + [False] * 11 and all(modes[1][-50:])
+    # where drafting also loses on the next request, the pairing finds that as well, and
+    # plain decoding, the winner on two requests in a row, holds for the one after
+    modes = run_requests(DraftGate(trial_steps=10, warmup_steps=2), lengths + [100],
+                         [(60.0, 70.0), (15.0, 26.0), (15.0, 26.0)])
+    assert not any(modes[1][-50:]) and not any(modes[2])
+
+
 def test_the_log_keeps_each_trial_and_verdict_with_how_it_was_reached():
     gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
     run_gate(gate, 16, rate_on=90.0, rate_off=100.0, steps=60)
