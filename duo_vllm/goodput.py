@@ -319,9 +319,26 @@ class DraftTimeModel:
             f = (width - lo) / (hi - lo)
             return self._by_width[lo] + f * (self._by_width[hi] - self._by_width[lo])
         near = lo if lo is not None else hi
-        if near > width:  # below every measured width: no cheaper than per token of it
-            return self._by_width[near] * max(width / near, 0.5)
+        if near > width:  # below every measured width
+            return self._below(width, ws)
         return self._by_width[near] * width / near
+
+    def _below(self, width: int, ws: list[int]) -> float:
+        """D(w) under the narrowest measured width: along the line through the two
+        narrowest, D = a + b·w (a call's fixed cost a, b per token), and never below
+        per token of the narrowest. Only prefill chunks measured (16 and 64 tokens:
+        45 and 146 ms) gave D(1) 13.5 ms that way against 11.2 measured; half of
+        D(16), the rule before, gave 22.6 ms, a step of the target on that VM, and
+        no pre-draft was ever planned, so no narrow call ever corrected it. With
+        one width measured: half of it, at least per token."""
+        w0 = ws[0]
+        d0 = self._by_width[w0]
+        per_token = d0 * width / w0
+        if len(ws) < 2:
+            return max(d0 * 0.5, per_token)
+        w1 = ws[1]
+        slope = (self._by_width[w1] - d0) / (w1 - w0)
+        return max(d0 - slope * (w0 - width), per_token)
 
     def table(self) -> dict[int, float]:
         return dict(sorted(self._by_width.items()))

@@ -173,6 +173,22 @@ def test_draft_time_model_interpolates_widths():
     assert d(128) == pytest.approx(0.300 * 128 / 100)
 
 
+def test_narrow_widths_below_the_measured_ones_follow_the_line_through_the_narrowest():
+    """Only prefill chunks measured (the first prompt's): a one-token call is estimated
+    from a call's fixed cost plus per token, not as half of a 16-token chunk."""
+    d = DraftTimeModel()
+    d.observe(16, 0.045)
+    assert d(1) == pytest.approx(0.0225)  # one width: half of it
+    d.observe(64, 0.146)
+    slope = (0.146 - 0.045) / 48
+    assert d(1) == pytest.approx(0.045 - 15 * slope)  # 13.4 ms, against 11.2 measured
+    assert d(8) == pytest.approx(0.045 - 8 * slope) and d(1) < d(8) < d(16)
+    d = DraftTimeModel()  # a steep line would go below zero: per token of the narrowest
+    d.observe(16, 0.016)
+    d.observe(32, 0.160)
+    assert d(2) == pytest.approx(0.002)
+
+
 def test_a_slow_narrow_width_is_bounded_by_a_wider_one_measured_since():
     d = DraftTimeModel()
     d.observe(1, 0.170)  # the draft's cold first call
