@@ -278,8 +278,9 @@ def _pooled_slope(sums) -> float | None:
 class DraftTimeModel:
     """D(w): draft time of one decode call of w tokens, measured per width (EMA).
 
-    Widths not seen yet are interpolated between the nearest seen ones (or
-    scaled from the nearest, per token, beyond them); ``prior`` before any.
+    Widths not seen yet are interpolated between the nearest seen ones,
+    scaled per token beyond the widest, and below the narrowest taken on the
+    line through the two narrowest (:meth:`_below`); ``prior`` before any.
     D is kept non-decreasing in w: a call of w tokens bounds every narrower
     width's estimate. Otherwise a width whose last calls were slow (the
     draft's cold first calls) keeps that estimate for as long as no call of
