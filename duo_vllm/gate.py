@@ -121,7 +121,7 @@ class DraftGate:
                 paired = self._paired.get(b, {})
                 for k in [k for k in paired if k[1] == on]:
                     del paired[k]
-            elif self._pairing.get(b) is True and self._best_pair(b) is None \
+            elif on and self._pairing.get(b) is True and self._best_pair(b) is None \
                     and not self.faster_on(b):
                 on = self._pair(b)  # the same request in plain decoding, then a verdict
             elif b in self._trying:  # the end of a trial: judge; between trials, keep the mode
