@@ -115,12 +115,7 @@ class DraftGate:
                 due = False  # a trial was abandoned here lately
             if due:
                 on = not on  # try the other mode (again), measured afresh
-                self._trying[b] = on
-                self._trial_at[b] = self._steps
-                self._sums.pop(other, None)
-                paired = self._paired.get(b, {})
-                for k in [k for k in paired if k[1] == on]:
-                    del paired[k]
+                self._start_trial(b, on)
             elif on and self._pairing.get(b) is True and self._best_pair(b) is None \
                     and not self.faster_on(b):
                 on = self._pair(b)  # the same request in plain decoding, then a verdict
@@ -143,13 +138,21 @@ class DraftGate:
         bucket ``b`` was scoped to?"""
         return key is not None and self._scope.get(b, key) != key
 
+    def _start_trial(self, b, on: bool) -> None:
+        """Mode ``on`` goes on trial in bucket ``b``, measured afresh: its decayed sums
+        and its per-request sums are dropped."""
+        self._trying[b], self._trial_at[b] = on, self._steps
+        self._sums.pop((b, on), None)
+        paired = self._paired.get(b, {})
+        for k in [k for k in paired if k[1] == on]:
+            del paired[k]
+
     def _try_again(self, b) -> None:
         """A new request after a paired verdict for plain decoding on the one before:
         drafting is on trial on this one (its warm-up, then a verdict on the rates)."""
         del self._scope[b]
         self._mode[b], self._run[b] = True, 0
-        self._trying[b], self._trial_at[b] = True, self._steps
-        self._sums.pop((b, True), None)
+        self._start_trial(b, True)
         self._pairing[b] = True
         self._note(b, True, "next request")
 
@@ -163,11 +166,7 @@ class DraftGate:
         wins that, it has won on two requests in a row: it holds for the requests after
         this one too (until a retry), as it did before."""
         self._pairing[b] = False
-        self._trying[b], self._trial_at[b] = False, self._steps
-        self._sums.pop((b, False), None)
-        paired = self._paired.get(b, {})
-        for k in [k for k in paired if not k[1]]:
-            del paired[k]
+        self._start_trial(b, False)
         self._note(b, False, "pairing")
         return False
 
