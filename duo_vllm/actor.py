@@ -91,6 +91,11 @@ class DraftWorker:
             logger.info("DuoProposer: %s", note)
         self.drafter = DuoDrafter(backend, self.limits.max_sequences, self.limits.n_ctx, policy,
                                   window=config.draft_window or None)
+        try:
+            logger.info("DuoProposer: draft call ms by width %s", {
+                w: round(1e3 * d, 1) for w, d in self.drafter.calibrate().items()})
+        except Exception as e:  # the requests' own calls measure D(w) then
+            logger.warning("DuoProposer: could not time the draft's calls at start-up: %r", e)
         self.model_path, self.n_threads, self.k = model_path, n_threads, k
         self._lock = threading.Lock()  # the drafter and the llama.cpp context
         self._state = threading.Lock()  # _waiting and _stash

@@ -140,6 +140,28 @@ class DuoDrafter:
         self.draft_time.observe(n, dt)
         return out, n
 
+    def calibrate(self, widths=(1, 2, 3, 4), warm_tokens: int = 8) -> dict[int, float]:
+        """Measure D(w) for the narrow widths a pre-draft uses, before the first request.
+
+        Without it the first calls measured may be one prompt's prefill chunks
+        alone (64 tokens: 159 ms), D(1) is read off them (80 ms, against 10
+        measured), no pre-draft fits a target step, and no narrow call ever
+        runs to correct it: on long-prompt work the draft model then drafted
+        nothing at all. Runs on slot 0's sequence, emptied after; the first
+        call (``warm_tokens``, untimed) warms the draft up. Returns D by width.
+        """
+        sid = self.pool.slots[0].seq_id
+        toks = np.arange(1, warm_tokens + 1, dtype=np.int32)  # any tokens: timing only
+        try:
+            self.backend.decode([(sid, toks, 0)])
+            pos = warm_tokens
+            for w in widths:
+                self._decode([(sid, toks[:w], pos)])
+                pos += w
+        finally:
+            self.backend.remove(sid, 0, -1)
+        return self.draft_time.table()
+
     def _branch_seq(self, slot_id: int, j: int) -> int:
         return self.pool.size + slot_id * self.n_extra + (j - 1)
 

@@ -714,3 +714,45 @@ def test_stats_split_vllms_wait_into_the_actors_handling_and_drafting_on_the_spo
         assert s["actor_propose_ms"] >= 1e3 * s["sync_s"] / 4 > 0
     finally:
         w.close()
+
+
+class TimedBackend(FakeBackend):
+    """A fake draft whose decode calls take ``fixed_s + per_token_s · w`` on ``clock``."""
+
+    def __init__(self, clock, fixed_s=0.008, per_token_s=0.0024):
+        super().__init__()
+        self.clock, self.fixed_s, self.per_token_s = clock, fixed_s, per_token_s
+
+    def decode(self, items):
+        self.clock[0] += self.fixed_s + self.per_token_s * sum(len(t) for _, t, _ in items)
+        return super().decode(items)
+
+
+def test_calibrated_narrow_calls_keep_a_long_prompt_from_locking_the_draft_out(monkeypatch):
+    """The first calls measured were one long prompt's 64-token prefill chunks (162 ms):
+    a one-token call read off them (half: 81 ms) outlasts a 26 ms target step, no
+    pre-draft is planned, and no narrow call ever runs to correct it. Timed at
+    start-up, D(1) is what a one-token call costs (10.4 ms): the prompt's catch-up
+    goes on and a pre-draft is planned."""
+    import duo_vllm.drafter as drafter_mod
+
+    clock = [0.0]
+    monkeypatch.setattr(drafter_mod.time, "perf_counter", lambda: clock[0])
+    prompt = [(7 * i) % 50 for i in range(150)]
+
+    def first_steps(d):
+        assert d.prefetch([ctx(*prompt)]) == 1  # vLLM prefills it: so does the draft
+        d.predraft(interrupt=lambda: 64 in d.draft_time.table())  # one chunk, then a step
+        return d.propose([ctx(*prompt, 1)], [4], target_step_s=0.026, per_token_s=0.001)
+
+    be, d = make(auto(), backend=TimedBackend(clock), n_ctx=1000)
+    assert first_steps(d) == [[]]
+    assert d.draft_time(1) > 0.026 and d.jobs == []  # locked out
+
+    be, d = make(auto(), backend=TimedBackend(clock), n_ctx=1000)
+    table = d.calibrate()
+    assert table == pytest.approx({w: 0.008 + 0.0024 * w for w in (1, 2, 3, 4)})
+    assert be.seqs[0] == [] and d.pool.slots[0].tokens.size == 0  # nothing left behind
+    assert first_steps(d) == [[]]  # still catching up: nothing to serve yet
+    assert d.draft_time(1) == pytest.approx(0.0104) and len(d.jobs) == 1
+    assert d.jobs[0].evals >= 1
