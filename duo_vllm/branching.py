@@ -92,9 +92,9 @@ class Branch:
     # it was the argmax (greedy)
     q: list = field(default_factory=list)
 
-    def drawn(self, n: int) -> list | None:
-        """The q of the branch's first ``n`` draft tokens, if each was drawn from one."""
-        q = self.q[:n]
+    def drawn(self, n: int, start: int = 0) -> list | None:
+        """The q of ``n`` draft tokens from ``tokens[1 + start]`` on, if each was drawn."""
+        q = self.q[start:start + n]
         return q if n and len(q) == n and all(x is not None for x in q) else None
 
 
@@ -124,13 +124,21 @@ def miss_reason(tree: Tree | None, context: np.ndarray) -> str:
 def select_branch(tree: Tree | None, context: np.ndarray) -> Branch | None:
     """The branch that continues ``context``, if the pre-draft foresaw it.
 
-    It does when the target accepted the whole draft and sampled one more
-    token (:func:`accepted_whole`) and that token starts a branch.
+    It does when ``context`` is the tree's prefix followed by the start of a
+    branch: its first token (the target accepted the whole draft the tree
+    continues and sampled one more, :func:`accepted_whole`), or several of
+    its tokens with one left to serve (a tree rooted inside the draft served,
+    where the target was likely to leave a copied tail: the served tokens it
+    accepted and its own next one follow the branch).
     """
-    if tree is None or not accepted_whole(tree, context):
+    if tree is None:
         return None
-    b = int(context[-1])
+    n = len(tree.prefix)
+    follow = len(context) - n
+    if follow < 1 or not np.array_equal(context[:n], tree.prefix):
+        return None
+    tail = [int(t) for t in context[n:]]
     for br in tree.branches:
-        if br.tokens and br.tokens[0] == b:
+        if br.tokens[:follow] == tail and (follow == 1 or len(br.tokens) > follow):
             return br
     return None

@@ -31,7 +31,7 @@ from .branching import (
 from .lookup import Hint, serve as serve_rule
 from .goodput import (
     PROBE_EVERY, Acceptance, DraftTimeModel, TargetCost, catch_up_pays, expected_accepted,
-    plan_predraft, plan_served, plan_sync, regime,
+    plan_predraft, plan_served, plan_sync, predraft_root, regime,
 )
 from .sampling import draft_q, sample_q
 from .state import Assignment, Slot, SlotPool, common_prefix_len, pool_window
@@ -83,10 +83,11 @@ class _Row:
     catch_up: int  # tokens to evaluate before drafting (a miss)
     background: bool  # a miss too far behind to draft now: prefilled in the background
     remaining: int | None = None  # tokens the request may still generate (None: unknown)
+    follow: int = 1  # tokens of the branch the context already holds (a hit)
 
     @property
     def available(self) -> int:
-        return min(self.k, len(self.branch.tokens) - 1) if self.branch else 0
+        return min(self.k, len(self.branch.tokens) - self.follow) if self.branch else 0
 
 
 class DuoDrafter:
@@ -234,7 +235,8 @@ class DuoDrafter:
         misses = [r for r in rows if r.branch is None and not r.background]
         served, (chosen, depth) = self._plan_step(len(contexts), hits, misses, cost, hints)
         for r, n in zip(hits, served):
-            out[r.row], qs[r.row] = self._take_branch(r.slot, r.tree, r.branch, n)
+            out[r.row], qs[r.row] = self._take_branch(r.slot, r.tree, r.branch, n, r.follow)
+            st.deep_hits += r.follow > 1
             st.predraft_hits += 1
             if not r.available:  # its branch holds the target's token only: nothing to serve
                 st.misses["shallow"] += 1
@@ -265,9 +267,11 @@ class DuoDrafter:
         return out
 
     def _served(self, rows: list[_Row], out, hints, qs):
-        """What the proposer will serve per row, and the chance all of it is accepted."""
+        """What the proposer will serve per row, and where the next step most likely
+        starts: per row, the tokens of the served draft the pre-draft's root holds
+        and the chance the target's tokens reach that root."""
         served = list(out)
-        p_all = {r.row: r.alpha ** len(out[r.row]) for r in rows}
+        p_all = {r.row: (len(out[r.row]), r.alpha ** len(out[r.row])) for r in rows}
         for r in rows:
             hint = _hint(hints, r.row)
             if hint is None or not hint.tokens:
@@ -277,8 +281,11 @@ class DuoDrafter:
                 agree = common_prefix_len(np.asarray(draft, dtype=np.int32),
                                           np.asarray(out[r.row], dtype=np.int32))
                 served[r.row] = list(draft)
-                p_all[r.row] = r.alpha ** agree * hint.alpha_lookup ** (len(draft) - agree)
+                p_all[r.row] = (len(draft), r.alpha ** agree
+                                * hint.alpha_lookup ** (len(draft) - agree))
                 self.stats.lookup_predrafts += 1
+                if r.temperature < 1e-5:
+                    p_all[r.row] = predraft_root(len(draft), agree, r.alpha, hint.alpha_lookup)
         return served, p_all
 
     def _rows(self, contexts, max_tokens, temps, serve: bool, remaining=None) -> list[_Row]:
@@ -320,8 +327,9 @@ class DuoDrafter:
                 if background and catch_up > self.CATCH_UP:
                     slot.queued = ctx  # a prompt for the background: the slot's name till then
                     slot.queued_at = self.pool.clock
+            follow = len(ctx) - len(tree.prefix) if branch is not None else 1
             rows.append(_Row(row, slot, ctx, k, temp, self.acceptance.alpha(slot.seq_id, reg),
-                             tree, branch, catch_up, background, left[row]))
+                             tree, branch, catch_up, background, left[row], follow))
         return rows
 
     def _plan_step(self, batch: int, hits: list[_Row], misses: list[_Row], cost: TargetCost,
@@ -430,9 +438,10 @@ class DuoDrafter:
                                          np.asarray(draft, dtype=np.int32))
             self.acceptance.observe(slot.seq_id, prev_reg, accepted, len(draft))
 
-    def _take_branch(self, slot, tree: Tree, branch: Branch, n: int):
-        """Adopt a pre-drafted branch as the request's sequence; return its first ``n``
-        draft tokens and their q (None unless each was drawn)."""
+    def _take_branch(self, slot, tree: Tree, branch: Branch, n: int, follow: int = 1):
+        """Adopt a pre-drafted branch as the request's sequence; return ``n`` draft
+        tokens after the ``follow`` the context holds, and their q (None unless each
+        was drawn)."""
         pos_b = len(tree.prefix)
         if branch.seq_id != slot.seq_id:
             self.backend.remove(slot.seq_id, pos_b, -1)
@@ -440,8 +449,8 @@ class DuoDrafter:
         evaluated = branch.tokens[:-1] if len(branch.tokens) > 1 else []
         slot.tokens = np.concatenate([tree.prefix, np.asarray(evaluated, dtype=np.int32)])
         self._clear_tree(slot.seq_id)
-        draft = list(branch.tokens[1:1 + n])
-        return draft, branch.drawn(len(draft))
+        draft = list(branch.tokens[follow:follow + n])
+        return draft, branch.drawn(len(draft), follow - 1)
 
     def _draft_chains(self, misses, contexts: dict, out, qs: dict) -> None:
         """Chains from the real contexts (by row, as the slots hold them), all requests
@@ -492,8 +501,9 @@ class DuoDrafter:
                    batch: int) -> None:
         """The next step's pre-draft: which requests, how deep (the controller's plan).
 
-        ``out`` is what each row is served this step; ``p_served`` the chance all
-        of it is accepted (the pre-draft's branches continue it).
+        ``out`` is what each row is served this step; ``p_served`` per row the
+        tokens of it the pre-draft's root holds and the chance the target's
+        tokens reach that root (the branches continue it).
         """
         self.jobs = []
         self.planned = set()  # slots with a pre-draft queued for the next step
@@ -501,8 +511,9 @@ class DuoDrafter:
         if not policy.predrafts:
             return
         rows = [r for r in rows if len(r.ctx) + len(out[r.row]) + 2 < self.n_ctx]
-        prefixes = [np.concatenate([r.ctx, np.asarray(out[r.row], dtype=np.int32)])
-                    for r in rows]
+        # the root: the context and the served draft, or a hedged part of it
+        prefixes = [np.concatenate([r.ctx, np.asarray(out[r.row][:p_served[r.row][0]],
+                                                      dtype=np.int32)]) for r in rows]
         if policy.budget is not None:
             depths = [policy.budget] * len(rows)
         else:
@@ -510,7 +521,7 @@ class DuoDrafter:
             catch_up = [1 if r.background else
                         max(1, len(p) - common_prefix_len(r.slot.tokens, p))
                         for r, p in zip(rows, prefixes)]
-            hit_p = [p_served[r.row] * r.alpha for r in rows]
+            hit_p = [p_served[r.row][1] * r.alpha for r in rows]
             depths = plan_predraft([r.alpha for r in rows], hit_p, [r.k for r in rows],
                                    catch_up, self.expected_step_s, self.draft_time,
                                    min_gain=cost.per_token * batch / cost.t0)
@@ -533,6 +544,7 @@ class DuoDrafter:
         for r, p, m in zip(rows, prefixes, depths):
             if m > 0:  # a request planned no draft is not even caught up
                 self.jobs.append(_Job(r.slot.seq_id, p, m, r.temperature))
+                self.stats.hedged_roots += len(p) < len(r.ctx) + len(out[r.row])
         self.planned = {job.slot_id for job in self.jobs}
 
     # -- ahead of time, while vLLM verifies ------------------------------------

@@ -163,6 +163,27 @@ def predraft_time(depths: Sequence[int], catch_up: Sequence[int],
     return t
 
 
+def predraft_root(n: int, agree: int, alpha: float, alpha_lookup: float) -> tuple[int, float]:
+    """Where the next step's pre-draft starts, for a request served ``n`` tokens of
+    which the draft model drafted the first ``agree`` itself and a lookup copied
+    the rest (accepted at ``alpha_lookup`` a token; the model at ``alpha``).
+
+    Rooted after the whole draft, its branches are reached when the target
+    accepts all of it; rooted where the copy parts from the model, the model's
+    own next token there is taken when the target turns the copied one down:
+
+        p_end  = α^agree · α_l^(n - agree)
+        p_part = α^agree · min(α, 1 - α_l) / α
+
+    (each times α is the chance the target's next token then starts the top
+    branch). Returns (tokens of the served draft the root holds, its p), the
+    likelier of the two.
+    """
+    p_end = alpha ** agree * alpha_lookup ** (n - agree)
+    p_part = alpha ** agree * min(1.0, (1.0 - alpha_lookup) / max(alpha, 1e-9))
+    return (agree, p_part) if agree < n and p_part > p_end else (n, p_end)
+
+
 def plan_predraft(alphas: Sequence[float], hit_probs: Sequence[float], caps: Sequence[int],
                   catch_up: Sequence[int], budget_s: float,
                   draft_time: Callable[[int], float], min_gain: float) -> list[int]:

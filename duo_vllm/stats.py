@@ -49,6 +49,8 @@ class DraftStats:
     short_lived: int = 0  # request-steps not caught up: it would end before the draft did
     lookup_predrafts: int = 0  # pre-drafts planned from the end of a served lookup draft
     lookup_misses: int = 0  # pre-draft misses served their lookup draft, no draft on the spot
+    hedged_roots: int = 0  # pre-drafts rooted where a served lookup copy parts from the model
+    deep_hits: int = 0  # hits on a branch the context follows for more than its first token
     errors: int = 0
     busy_s: float = 0.0
     sync_s: float = 0.0  # drafting on the spot while vLLM waited
@@ -85,6 +87,8 @@ class DraftStats:
             "short_lived": self.short_lived,
             "lookup_predrafts": self.lookup_predrafts,
             "lookup_misses": self.lookup_misses,
+            "hedged_roots": self.hedged_roots,
+            "deep_hits": self.deep_hits,
             "errors": self.errors,
             "busy_fraction": self.busy_s / wall if wall > 0 else 0.0,
             "busy_s": self.busy_s,

@@ -69,3 +69,13 @@ def test_select_branch_needs_full_acceptance_and_a_matching_first_token():
     assert miss_reason(tree, np.array([1, 2, 4, 7])) == "rejected"
     assert miss_reason(tree, np.array([1, 2, 3, 5, 6])) == "rejected"  # a token too many
     assert miss_reason(None, np.array([1])) == "no_tree"
+
+
+def test_select_branch_follows_a_branch_for_several_tokens_with_one_left_to_serve():
+    """A tree rooted inside the draft served: the target's accepted tokens and its own
+    next one may run along a branch."""
+    tree = Tree(np.array([1, 2]), [Branch([5, 6, 7], 0.9, 0), Branch([8, 9], 0.1, 4)])
+    assert select_branch(tree, np.array([1, 2, 5, 6])).seq_id == 0  # 7 left to serve
+    assert select_branch(tree, np.array([1, 2, 5, 6, 7])) is None  # nothing left
+    assert select_branch(tree, np.array([1, 2, 5, 9])) is None  # off the branch
+    assert select_branch(tree, np.array([1, 2, 8])).seq_id == 4  # as before

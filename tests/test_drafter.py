@@ -756,3 +756,33 @@ def test_calibrated_narrow_calls_keep_a_long_prompt_from_locking_the_draft_out(m
     assert first_steps(d) == [[]]  # still catching up: nothing to serve yet
     assert d.draft_time(1) == pytest.approx(0.0104) and len(d.jobs) == 1
     assert d.jobs[0].evals >= 1
+
+
+def test_a_weak_lookup_tail_is_pre_drafted_from_where_it_parts_from_the_model():
+    """A copied tail the target will likely turn down: the pre-draft is rooted where
+    the copy leaves the model's own draft, so the target's token there (the model's
+    guess), or copied tokens the model's chain also follows and then the target's
+    own, find their branch ready."""
+    from duo_vllm.lookup import Hint
+
+    def first_step(lookup, alpha_lookup=0.4):
+        be, d = make(DraftPolicy(k=4, parallel=True, budget=3, multi_sequence=False))
+        (draft,) = d.propose([ctx(1, 2)], [4], hints=[Hint(lookup, 0.9, alpha_lookup, 0.0)])
+        assert draft == be.chain(2, 3) == [17, 22, 7]  # the model's own
+        return be, d
+
+    # the copy extends the model's draft with 9, 9, 9: served whole, rooted before the 9s
+    be, d = first_step([17, 22, 7, 9, 9, 9])
+    assert list(d.jobs[0].prefix) == [1, 2, 17, 22, 7] and d.stats.hedged_roots == 1
+    d.predraft()
+    # the target accepted 17, 22, 7, turned 9 down and sampled 2, the model's guess
+    (draft,) = d.propose([ctx(1, 2, 17, 22, 7, 2)], [4])
+    assert draft == be.chain(2, 3) and d.stats.predraft_hits == 1
+    # the copy [.., 2, 9, 9]: the target accepts its 2 too, then samples 17 (the model's)
+    be, d = first_step([17, 22, 7, 2, 9, 9])
+    d.predraft()
+    (draft,) = d.propose([ctx(1, 2, 17, 22, 7, 2, 17)], [4])
+    assert draft == be.chain(17, 2) and d.stats.deep_hits == 1  # the branch's 3rd token on
+    # a strong copy is pre-drafted from its end, as before
+    be, d = first_step([17, 22, 7, 9, 9, 9], alpha_lookup=0.95)
+    assert list(d.jobs[0].prefix) == [1, 2, 17, 22, 7, 9, 9, 9] and d.stats.hedged_roots == 0

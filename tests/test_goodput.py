@@ -5,7 +5,7 @@ import pytest
 from duo_vllm.goodput import (
     Acceptance, DraftTimeModel, StepTimeModel, TargetCost, catch_up_pays, expected_accepted,
     plan_predraft,
-    plan_served, plan_sync, predraft_time, regime,
+    plan_served, plan_sync, predraft_root, predraft_time, regime,
 )
 
 
@@ -222,3 +222,16 @@ def test_a_catch_up_pays_only_well_within_what_is_left_of_the_request():
     assert not catch_up_pays(300, 0.010, 39, 0.15)
     assert catch_up_pays(300, 0.010, None, 0.15)  # unknown: caught up, as a long request
     assert not catch_up_pays(1, 0.010, 0, 0.15) and catch_up_pays(0, 0.010, 0, 0.15)
+
+
+def test_the_pre_draft_is_rooted_where_the_next_step_likelier_starts():
+    # a weak copied tail (α_l 0.4) after 2 tokens the model drafted: rooted where it parts
+    n, p = predraft_root(5, 2, 0.9, 0.4)
+    assert n == 2 and p == pytest.approx(0.81 * 0.6 / 0.9)
+    # a strong one (α_l 0.95): after the whole draft, as the chance all of it is accepted
+    n, p = predraft_root(5, 2, 0.9, 0.95)
+    assert n == 5 and p == pytest.approx(0.81 * 0.95 ** 3)
+    # the model's own draft, nothing copied: its end
+    assert predraft_root(3, 3, 0.8, 0.1) == (3, pytest.approx(0.512))
+    # a sure model (α 0.99) and an unsure copy: the model's guess is capped by 1 - α_l
+    assert predraft_root(1, 0, 0.99, 0.5)[1] * 0.99 == pytest.approx(0.5)
