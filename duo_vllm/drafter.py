@@ -83,7 +83,11 @@ class _Row:
     catch_up: int  # tokens to evaluate before drafting (a miss)
     background: bool  # a miss too far behind to draft now: prefilled in the background
     remaining: int | None = None  # tokens the request may still generate (None: unknown)
-    follow: int = 1  # tokens of the branch the context already holds (a hit)
+
+    @property
+    def follow(self) -> int:
+        """Tokens of its branch the context already holds (a hit; 1 otherwise)."""
+        return len(self.ctx) - len(self.tree.prefix) if self.branch is not None else 1
 
     @property
     def available(self) -> int:
@@ -281,11 +285,9 @@ class DuoDrafter:
                 agree = common_prefix_len(np.asarray(draft, dtype=np.int32),
                                           np.asarray(out[r.row], dtype=np.int32))
                 served[r.row] = list(draft)
-                p_all[r.row] = (len(draft), r.alpha ** agree
-                                * hint.alpha_lookup ** (len(draft) - agree))
+                p_all[r.row] = predraft_root(len(draft), agree, r.alpha, hint.alpha_lookup,
+                                             hedge=r.temperature < 1e-5)
                 self.stats.lookup_predrafts += 1
-                if r.temperature < 1e-5:
-                    p_all[r.row] = predraft_root(len(draft), agree, r.alpha, hint.alpha_lookup)
         return served, p_all
 
     def _rows(self, contexts, max_tokens, temps, serve: bool, remaining=None) -> list[_Row]:
@@ -327,9 +329,8 @@ class DuoDrafter:
                 if background and catch_up > self.CATCH_UP:
                     slot.queued = ctx  # a prompt for the background: the slot's name till then
                     slot.queued_at = self.pool.clock
-            follow = len(ctx) - len(tree.prefix) if branch is not None else 1
             rows.append(_Row(row, slot, ctx, k, temp, self.acceptance.alpha(slot.seq_id, reg),
-                             tree, branch, catch_up, background, left[row], follow))
+                             tree, branch, catch_up, background, left[row]))
         return rows
 
     def _plan_step(self, batch: int, hits: list[_Row], misses: list[_Row], cost: TargetCost,

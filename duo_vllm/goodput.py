@@ -163,7 +163,8 @@ def predraft_time(depths: Sequence[int], catch_up: Sequence[int],
     return t
 
 
-def predraft_root(n: int, agree: int, alpha: float, alpha_lookup: float) -> tuple[int, float]:
+def predraft_root(n: int, agree: int, alpha: float, alpha_lookup: float,
+                  hedge: bool = True) -> tuple[int, float]:
     """Where the next step's pre-draft starts, for a request served ``n`` tokens of
     which the draft model drafted the first ``agree`` itself and a lookup copied
     the rest (accepted at ``alpha_lookup`` a token; the model at ``alpha``).
@@ -177,11 +178,12 @@ def predraft_root(n: int, agree: int, alpha: float, alpha_lookup: float) -> tupl
 
     (each times α is the chance the target's next token then starts the top
     branch). Returns (tokens of the served draft the root holds, its p), the
-    likelier of the two.
+    likelier of the two; after the whole draft without ``hedge`` (a sampled
+    request's drafts are drawn, not copied).
     """
     p_end = alpha ** agree * alpha_lookup ** (n - agree)
     p_part = alpha ** agree * min(1.0, (1.0 - alpha_lookup) / max(alpha, 1e-9))
-    return (agree, p_part) if agree < n and p_part > p_end else (n, p_end)
+    return (agree, p_part) if hedge and agree < n and p_part > p_end else (n, p_end)
 
 
 def plan_predraft(alphas: Sequence[float], hit_probs: Sequence[float], caps: Sequence[int],

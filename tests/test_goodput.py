@@ -231,6 +231,8 @@ def test_the_pre_draft_is_rooted_where_the_next_step_likelier_starts():
     # a strong one (α_l 0.95): after the whole draft, as the chance all of it is accepted
     n, p = predraft_root(5, 2, 0.9, 0.95)
     assert n == 5 and p == pytest.approx(0.81 * 0.95 ** 3)
+    # not hedged (a sampled request): after the whole draft, however weak the copy
+    assert predraft_root(5, 2, 0.9, 0.4, hedge=False) == (5, pytest.approx(0.81 * 0.4 ** 3))
     # the model's own draft, nothing copied: its end
     assert predraft_root(3, 3, 0.8, 0.1) == (3, pytest.approx(0.512))
     # a sure model (α 0.99) and an unsure copy: the model's guess is capped by 1 - α_l
