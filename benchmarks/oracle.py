@@ -71,6 +71,18 @@ class EmptyProposer:
         """Nothing to load."""
 
 
+class DraftFreeEmptyProposer(EmptyProposer):
+    """:class:`EmptyProposer` with DuoProposer's draft-free sampling hook
+    (``spec-free-all``): vLLM's speculative step with empty drafts, sampled as plain
+    decoding (patches/README.md, 2c)."""
+
+    def __init__(self, vllm_config):
+        from duo_vllm.vllm_patches import install_draft_free_sampling
+
+        if not install_draft_free_sampling():
+            raise RuntimeError("this vLLM has no GPUModelRunner._sample to hook")
+
+
 class RayEmptyProposer(EmptyProposer):
     """:class:`EmptyProposer` in an engine that has started DuoProposer's private Ray
     instance (``spec-ray``): what Ray alone costs vLLM's loop."""

@@ -40,6 +40,8 @@ Methods (2-core machine: DuoProposer's target on core 0, its draft on core 1):
   spec-empty-all  spec-empty with the target on every core (plain-all's floor)
   spec-actor-all  spec-empty-all beside Ray and an idle draft actor on core 1 (the floor of
                a lent step)
+  spec-free-all  spec-empty-all with DuoProposer's draft-free sampling hook (a step
+               without drafts skips vLLM's rejection sampler)
   plain-all-iomp, duo-lend-iomp  plain-all and duo-lend with Intel OpenMP preloaded
                (LD_PRELOAD of the venv's libiomp5.so, which vLLM-CPU's docs ask for)
   oracle       replays plain-1core's greedy output (benchmarks/oracle.py), target on
@@ -99,6 +101,8 @@ METHODS = {
                                                       "budget": "auto"}),
     "spec-empty-all": dict(bind="0-1", spec={"model": "benchmarks.oracle.EmptyProposer",
                                              "num_speculative_tokens": K}),
+    "spec-free-all": dict(bind="0-1", spec={"model": "benchmarks.oracle.DraftFreeEmptyProposer",
+                                            "num_speculative_tokens": K}),
     "spec-ray": dict(bind="0", spec={"model": "benchmarks.oracle.RayEmptyProposer",
                                      "num_speculative_tokens": K}),
     "spec-actor": dict(bind="0", spec={"model": "benchmarks.oracle.ActorEmptyProposer",

@@ -31,7 +31,8 @@ from .pinning import EngineCorePlace, engine_core, move_engine_core, off_target,
 from .sampling import dense_q
 from .state import pool_window
 from .vllm_patches import (
-    check_vllm, fix_cpu_expand_kernel, install_draft_probs_hook, install_new_request_hook,
+    check_vllm, fix_cpu_expand_kernel, install_draft_free_sampling, install_draft_probs_hook,
+    install_new_request_hook,
 )
 from .vocab import check_vocab, target_token_texts
 
@@ -144,6 +145,9 @@ class DuoProposer:
         self._client: ActorClient | None = None
         self._worker: DraftWorker | None = None
         self._init_step_state()
+        # a step without drafts skips the rejection sampler, on every rank alike (they
+        # sample in step)
+        install_draft_free_sampling()
         self._passive = not drafts
         if self._passive:  # vLLM uses the output rank's drafts only: no Ray, no model here
             logger.info("DuoProposer: tensor/pipeline-parallel rank without drafts (only the "

@@ -273,3 +273,19 @@ def test_the_runner_keeps_each_requests_sampling_params_where_the_proposer_reads
     assert re.search(r"self\.requests\s*:\s*dict\[str, CachedRequestState\]", init)
     assert "sampling_params" in {f.name for f in dataclasses.fields(CachedRequestState)}
     assert SamplingParams(temperature=0.7).structured_outputs is None
+
+
+def test_sample_takes_spec_metadata_and_samples_plainly_without_it():
+    # the draft-free hook passes spec_decode_metadata=None for a step without drafts:
+    # _sample(self, logits, spec_decode_metadata) calls self.sampler(...) for None
+    params = list(inspect.signature(inspect.unwrap(gmr.GPUModelRunner._sample)).parameters)
+    assert params[:3] == ["self", "logits", "spec_decode_metadata"]
+    src = inspect.getsource(inspect.unwrap(gmr.GPUModelRunner._sample))
+    assert "if spec_decode_metadata is None:" in src and "self.sampler(" in src
+    # sample_tokens calls it so, and the logits of a step without drafts are one row per
+    # request (its last token), as in plain decoding
+    assert "self._sample(logits, spec_decode_metadata)" in inspect.getsource(
+        inspect.unwrap(gmr.GPUModelRunner.sample_tokens))
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    assert "num_draft_tokens" in {f.name for f in dataclasses.fields(SpecDecodeMetadata)}

@@ -340,3 +340,92 @@ def test_draft_probs_hook_installs_on_vllms_model_runner():
         wrapped = getattr(gmr.GPUModelRunner, name)
         assert getattr(wrapped, DRAFT_PROBS_HOOK) and not getattr(wrapped.__wrapped__,
                                                                   DRAFT_PROBS_HOOK, False)
+
+
+def sampling_metadata(temperatures, seed=None, max_num_logprobs=None):
+    """vLLM's SamplingMetadata for rows at these temperatures (0: greedy), no penalties."""
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    greedy = all(t == 0 for t in temperatures)
+    n = len(temperatures)
+    gens = {} if seed is None else {i: torch.Generator().manual_seed(seed + i) for i in range(n)}
+    return SamplingMetadata(
+        temperature=None if greedy else torch.tensor([t if t else -1.0 for t in temperatures]),
+        all_greedy=greedy, all_random=all(t > 0 for t in temperatures), top_p=None,
+        top_k=None, generators=gens, max_num_logprobs=max_num_logprobs, no_penalties=True,
+        prompt_token_ids=None, frequency_penalties=torch.zeros(n),
+        presence_penalties=torch.zeros(n), repetition_penalties=torch.ones(n),
+        output_token_ids=[[] for _ in range(n)], allowed_token_ids_mask=None,
+        bad_words_token_ids={}, logitsprocs=LogitsProcessors(), spec_token_ids=[[] for _ in range(n)])
+
+
+def test_draft_free_is_a_step_with_nothing_to_verify():
+    pytest.importorskip("vllm.v1.spec_decode.metadata")
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from duo_vllm.vllm_patches import draft_free
+
+    none = SpecDecodeMetadata.make_dummy([[], [], []], torch.device("cpu"))
+    some = SpecDecodeMetadata.make_dummy([[], [7, 8], []], torch.device("cpu"))
+    plain = sampling_metadata([0, 0, 0])
+    assert draft_free(none, plain)
+    assert not draft_free(some, plain)
+    assert not draft_free(None, plain)  # plain decoding already
+    assert not draft_free(none, sampling_metadata([0, 0, 0], max_num_logprobs=2))  # logprobs
+
+
+def test_a_step_without_drafts_is_sampled_as_plain_decoding():
+    pytest.importorskip("vllm.v1.spec_decode.metadata")
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from duo_vllm.vllm_patches import with_draft_free_sampling
+
+    seen = []
+
+    class Runner:
+        def __init__(self, meta):
+            self.input_batch = SimpleNamespace(sampling_metadata=meta)
+
+        def _sample(self, logits, spec_decode_metadata):
+            seen.append(spec_decode_metadata)
+            return "out"
+
+    Runner._sample = with_draft_free_sampling(Runner._sample)
+    assert with_draft_free_sampling(Runner._sample) is Runner._sample  # idempotent
+    none = SpecDecodeMetadata.make_dummy([[], []], torch.device("cpu"))
+    some = SpecDecodeMetadata.make_dummy([[3], []], torch.device("cpu"))
+    logits = torch.zeros(2, 5)
+    assert Runner(sampling_metadata([0, 0]))._sample(logits, none) == "out"
+    Runner(sampling_metadata([0, 0]))._sample(logits, some)
+    Runner(sampling_metadata([0, 0], max_num_logprobs=0))._sample(logits, none)
+    assert seen == [None, some, none]
+
+
+@pytest.mark.parametrize("temps", [[0, 0, 0], [0.7, 1.0, 0.7], [0, 0.7, 1.3]])
+def test_vllms_samplers_agree_on_a_step_without_drafts(temps):
+    """What the hook relies on: with no drafts, vLLM's rejection sampler returns what
+    its plain sampler draws from the same logits (greedy rows: the argmax; seeded
+    sampled rows: the same draw)."""
+    rs = pytest.importorskip("vllm.v1.sample.rejection_sampler")
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from duo_vllm.vllm_patches import fix_cpu_expand_kernel
+
+    fix_cpu_expand_kernel()
+    torch.manual_seed(0)
+    logits = torch.randn(len(temps), 50) * 3
+    meta = SpecDecodeMetadata.make_dummy([[] for _ in temps], torch.device("cpu"))
+    meta.bonus_logits_indices = torch.arange(len(temps), dtype=torch.int32)
+    meta.logits_indices = meta.bonus_logits_indices.clone()
+    sampler = Sampler()
+    for seed in range(5):
+        plain = sampler(logits.clone(), sampling_metadata(temps, seed)).sampled_token_ids
+        spec = rs.RejectionSampler(sampler)(meta, None, logits.clone(),
+                                            sampling_metadata(temps, seed)).sampled_token_ids
+        assert spec.tolist() == plain.tolist()
+        if all(t == 0 for t in temps):
+            assert plain[:, 0].tolist() == logits.argmax(-1).tolist()
