@@ -304,7 +304,8 @@ def install_draft_probs_hook() -> bool:
 # such a step vLLM's own plain-decoding path (``spec_decode_metadata=None``): the
 # logits are the same rows (one per request, its last token), and the rejection
 # sampler draws its bonus tokens with the same sampler. Steps that ask for
-# logprobs keep the rejection sampler (its logprobs layout).
+# logprobs keep the rejection sampler (its logprobs layout), and so do steps
+# with a request under a thinking budget (its state follows the bonus-token rule).
 
 DRAFT_FREE_HOOK = "_duo_draft_free_sampling"
 
@@ -314,8 +315,13 @@ def draft_free(spec_decode_metadata, sampling_metadata) -> bool:
     if spec_decode_metadata is None or max(spec_decode_metadata.num_draft_tokens,
                                            default=0) > 0:
         return False
-    return (getattr(sampling_metadata, "max_num_logprobs", None) is None
-            and not getattr(sampling_metadata, "logprob_token_ids", None))
+    if getattr(sampling_metadata, "max_num_logprobs", None) is not None or \
+            getattr(sampling_metadata, "logprob_token_ids", None):
+        return False
+    # a thinking budget's state advances by the rejection sampler's bonus-token rule
+    # (``predict_bonus_token``), which vLLM's plain sampler does not follow
+    holder = getattr(sampling_metadata, "thinking_budget_state_holder", None)
+    return holder is None or not holder.has_tracked_requests()
 
 
 def with_draft_free_sampling(sample):

@@ -286,6 +286,16 @@ def test_sample_takes_spec_metadata_and_samples_plainly_without_it():
     # request (its last token), as in plain decoding
     assert "self._sample(logits, spec_decode_metadata)" in inspect.getsource(
         inspect.unwrap(gmr.GPUModelRunner.sample_tokens))
+    calc = inspect.getsource(gmr.GPUModelRunner._calc_spec_decode_metadata)
+    assert "logits_indices = np.repeat(" in calc  # each row's last 1 + drafts tokens
+    assert "bonus_logits_indices = cu_num_sampled_tokens - 1" in calc
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
     assert "num_draft_tokens" in {f.name for f in dataclasses.fields(SpecDecodeMetadata)}
+    assert "_sample" not in vars(CPUModelRunner)  # the CPU runner samples as the V1 runner
+    # a thinking budget's state is the one sampler state that reads predict_bonus_token
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    assert "thinking_budget_state_holder" in {f.name for f in
+                                              dataclasses.fields(SamplingMetadata)}

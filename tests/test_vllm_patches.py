@@ -351,7 +351,7 @@ def sampling_metadata(temperatures, seed=None, max_num_logprobs=None):
     n = len(temperatures)
     gens = {} if seed is None else {i: torch.Generator().manual_seed(seed + i) for i in range(n)}
     return SamplingMetadata(
-        temperature=None if greedy else torch.tensor([t if t else -1.0 for t in temperatures]),
+        temperature=None if greedy else torch.tensor([float(t) for t in temperatures]),
         all_greedy=greedy, all_random=all(t > 0 for t in temperatures), top_p=None,
         top_k=None, generators=gens, max_num_logprobs=max_num_logprobs, no_penalties=True,
         prompt_token_ids=None, frequency_penalties=torch.zeros(n),
@@ -362,6 +362,8 @@ def sampling_metadata(temperatures, seed=None, max_num_logprobs=None):
 
 def test_draft_free_is_a_step_with_nothing_to_verify():
     pytest.importorskip("vllm.v1.spec_decode.metadata")
+    from types import SimpleNamespace
+
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     from duo_vllm.vllm_patches import draft_free
@@ -373,6 +375,11 @@ def test_draft_free_is_a_step_with_nothing_to_verify():
     assert not draft_free(some, plain)
     assert not draft_free(None, plain)  # plain decoding already
     assert not draft_free(none, sampling_metadata([0, 0, 0], max_num_logprobs=2))  # logprobs
+    budget = sampling_metadata([0, 0, 0])  # a request under a thinking budget
+    budget.thinking_budget_state_holder = SimpleNamespace(has_tracked_requests=lambda: True)
+    assert not draft_free(none, budget)
+    budget.thinking_budget_state_holder = SimpleNamespace(has_tracked_requests=lambda: False)
+    assert draft_free(none, budget)
 
 
 def test_a_step_without_drafts_is_sampled_as_plain_decoding():
@@ -429,3 +436,11 @@ def test_vllms_samplers_agree_on_a_step_without_drafts(temps):
         assert spec.tolist() == plain.tolist()
         if all(t == 0 for t in temps):
             assert plain[:, 0].tolist() == logits.argmax(-1).tolist()
+
+
+def test_draft_free_sampling_installs_on_vllms_model_runner():
+    gmr = pytest.importorskip("vllm.v1.worker.gpu_model_runner")
+    from duo_vllm.vllm_patches import DRAFT_FREE_HOOK, install_draft_free_sampling
+
+    assert install_draft_free_sampling() and install_draft_free_sampling()  # idempotent
+    assert getattr(gmr.GPUModelRunner._sample, DRAFT_FREE_HOOK)
