@@ -299,8 +299,8 @@ def install_draft_probs_hook() -> bool:
 # its rejection sampler, also a step where no row has a draft (the gate keeps the
 # draft model off and no lookup matched, a prompt's first token, the floor). With
 # nothing to verify, that is vLLM's plain sampler on the same logits plus work on
-# empty tensors and a copy of the logits: 3.6 ms a step at batch 16 greedy on
-# this 2-core VM (a 50 ms step), against ~0.5 for the plain sampler. The hook gives
+# empty tensors and a copy of the logits: 3.6 ms a step at batch 16 greedy on a
+# 2-core AVX-512 VM (a 47 ms step; patches/README.md, 2c). The hook gives
 # such a step vLLM's own plain-decoding path (``spec_decode_metadata=None``): the
 # logits are the same rows (one per request, its last token), and the rejection
 # sampler draws its bonus tokens with the same sampler. Steps that ask for
