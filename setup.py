@@ -21,5 +21,10 @@ setup(
         "bench": ["requests", "matplotlib", "tqdm"],
         "test": ["pytest", "pytest-timeout", "requests", "scipy", "matplotlib"],
     },
-    entry_points={"console_scripts": ["duo-vllm=duo_vllm.cli:main"]},
+    entry_points={
+        "console_scripts": ["duo-vllm=duo_vllm.cli:main"],
+        # loaded by vLLM in its engine core too (duo_vllm/plugin.py); inert without
+        # a DuoProposer
+        "vllm.general_plugins": ["duo_vllm = duo_vllm.plugin:register"],
+    },
 )

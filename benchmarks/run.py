@@ -31,6 +31,7 @@ Methods (2-core machine: DuoProposer's target on core 0, its draft on core 1):
   duo-argmax   duo-lend drafting the argmax for sampled requests too (no sampled_drafts:
                the ablation)
   duo-lend-nolookup  duo-lend without lookup drafts
+  duo-lend-rpc       duo-lend, vLLM's engine core asking for the drafts after each step
   duo-lend-nogate  duo-lend without the gate: the draft model drafts at every step (the
                gate's ablation)
   duo-fullctx  duo-full with the draft seeing whole contexts (no draft_window)
@@ -83,6 +84,11 @@ METHODS = {
     # commit): a before/after in one run, against the same baselines
     "duo-lend-base": dict(bind="0-1", base=True, duo={"parallel": True, "multi_sequence": True,
                                                       "budget": "auto"}),
+    # duo-lend with vLLM's engine core asking the worker for the drafts after each step
+    # (duo_vllm's vllm.general_plugins entry point not loaded: duo_vllm/drafts_out.py)
+    "duo-lend-rpc": dict(bind="0-1", no_plugin=True, duo={"parallel": True,
+                                                          "multi_sequence": True,
+                                                          "budget": "auto"}),
     # the gate's ablation: the draft model on at every step, lent only on idle steps
     "duo-lend-nogate": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
                                              "budget": "auto", "gate": False}),
@@ -390,6 +396,10 @@ def run_method(name: str, target: str, prompts, tasks, args, workdir: Path,
         if not cwd or not (Path(cwd) / "duo_vllm").is_dir():
             return {"available": False, "reason": "DUO_BASE_SRC names no source tree"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, env.get("PYTHONPATH", "")]))
+        if not (Path(cwd) / "duo_vllm" / "plugin.py").is_file():
+            env["VLLM_PLUGINS"] = ""  # that tree has no vLLM plugin for the entry point
+    if METHODS[name].get("no_plugin"):
+        env["VLLM_PLUGINS"] = ""  # vLLM loads no general plugin, duo_vllm's included
     log_path = workdir / f"{name}.log"
     t0 = time.time()
     with open(log_path, "w") as log:

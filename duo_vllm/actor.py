@@ -14,6 +14,7 @@ import os
 import threading
 import time
 
+from .channel import ChannelServer
 from .config import DuoConfig, DuoConfigError, allowed_cpus, choose_cores, read_host
 from .delta import Delta, DeltaReceiver, Drafts
 from .drafter import DraftPolicy, DuoDrafter
@@ -110,6 +111,7 @@ class DraftWorker:
         self._wake = threading.Event()
         self._closed = False
         self._deadline = None
+        self._channel: ChannelServer | None = None
         self._thread = None
         if policy.parallel:
             self._thread = threading.Thread(target=self._predraft_loop, name="duo-predraft",
@@ -332,9 +334,19 @@ class DraftWorker:
     def ping(self) -> bool:
         return True
 
+    def open_channel(self) -> tuple[str, bytes]:
+        """A Unix socket for the step's calls from a proposer on this node
+        (:mod:`duo_vllm.channel`): its address and authkey. Its threads start from
+        this one, so they run on the draft's cores."""
+        if self._channel is None:
+            self._channel = ChannelServer(self)
+        return self._channel.address, self._channel.authkey
+
     def close(self) -> None:
         self._closed = True
         self._wake.set()
+        if self._channel is not None:
+            self._channel.close()
 
 
 class DraftActor(DraftWorker):

@@ -22,6 +22,7 @@ from .actor import DraftWorker, get_or_create_actor
 from .client import ActorClient
 from .config import DuoConfig, DuoConfigError, allowed_cpus, resolve_draft_cores, target_cores
 from .delta import DeltaSender
+from .drafts_out import attach_drafts
 from .gate import DraftGate, LookupGate
 from .lending import MatmulPrimitives, TargetThreads, bind_order, lend_plan, lend_prefill
 from .goodput import StepTimeModel
@@ -210,9 +211,11 @@ class DuoProposer:
         hooked = self._hooked = install_new_request_hook()
         self._prefetch = cfg.parallel and hooked
         logger.info("DuoProposer: draft %s (runs as %s) on node %s (Ray node %s), cores %s "
-                    "(%d threads, pid %d), max %d draft tokens per step", info["model"],
-                    info.get("draft_file", info["model"]), info["node"],
-                    info["node_id"], info["cores"], info["n_threads"], info["pid"], self.k)
+                    "(%d threads, pid %d), max %d draft tokens per step; the step's calls %s",
+                    info["model"], info.get("draft_file", info["model"]), info["node"],
+                    info["node_id"], info["cores"], info["n_threads"], info["pid"], self.k,
+                    "over a Unix socket (same node)" if self._client and self._client.channel
+                    else "through Ray" if self._client else "in this process")
 
     def _init_step_state(self) -> None:
         self._failed = False  # in-process drafter raised: plain decoding for good
@@ -487,8 +490,15 @@ class DuoProposer:
 
     def attach_runner(self, runner) -> None:
         """vLLM's model runner (from the new-request hook): its input batch has each
-        request's sampling settings."""
+        request's sampling settings. The drafting rank's step output carries its drafts
+        from then on (duo_vllm/drafts_out.py): vLLM's engine core need not ask again."""
         self._runner = runner
+        if not self._passive:
+            try:
+                attach_drafts(runner)
+            except Exception as e:  # vLLM asks for the drafts itself, as without it
+                logger.debug("DuoProposer: drafts not carried on the step's output (%s: %s)",
+                             type(e).__name__, e)
 
     def _states(self, rows: list[int]) -> list:
         """Each row's request state in vLLM's model runner (its sampling settings,
@@ -689,6 +699,9 @@ class DuoProposer:
         return {
             "actor_restarts": c.restarts if c else 0,
             "actor_timeouts": c.timeouts if c else 0,
+            # how the step's calls reach the draft: a Unix socket (same node), Ray, or
+            # in this process (use_actor off)
+            "step_calls": ("socket" if c.channel else "ray") if c else "in-process",
             "fallback": (c.disabled if c else False) or self._failed,
             "propose_calls": self._calls,
             "propose_wait_ms": 1e3 * self._wait_s / self._calls if self._calls else 0.0,

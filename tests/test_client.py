@@ -1,6 +1,9 @@
 """ActorClient: bounded waits, a dead actor replaced, plain decoding in between.
 
 Real Ray actors, fake drafters: each answers ``propose`` with a known draft.
+Each test that makes steps' calls runs twice: through Ray, and over the
+actor's Unix socket (duo_vllm/channel.py), as DuoProposer calls an actor on
+its own node.
 """
 
 import logging
@@ -10,6 +13,7 @@ import time
 
 import pytest
 
+from duo_vllm.channel import RemoteError
 from duo_vllm.client import AUTO_TIMEOUT_FIRST_S, ActorClient, _actor_gone, auto_timeout
 
 log = logging.getLogger("test_client")
@@ -61,6 +65,22 @@ class FakeWorker:
         return [[len(c)] * b for c, b in zip(contexts, budgets)]
 
 
+class SocketFakeWorker(FakeWorker):
+    """The same, serving the step's calls on a Unix socket as DraftWorker does."""
+
+    def open_channel(self):
+        from duo_vllm.channel import ChannelServer
+
+        if getattr(self, "channel", None) is None:
+            self.channel = ChannelServer(self)
+        return self.channel.address, self.channel.authkey
+
+
+@pytest.fixture(params=[FakeWorker, SocketFakeWorker], ids=["ray", "socket"])
+def worker(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def ray_local():
     import ray
@@ -71,15 +91,17 @@ def ray_local():
     ray.shutdown()
 
 
-def make_client(ray_local, timeout="auto", max_restarts=2, **kw):
+def make_client(ray_local, worker=FakeWorker, timeout="auto", max_restarts=2, **kw):
     created = []
 
     def create():
-        actor = ray_local.remote(num_cpus=0)(FakeWorker).remote(**kw)
+        actor = ray_local.remote(num_cpus=0)(worker).remote(**kw)
         created.append(actor)
         return actor
 
-    return ActorClient(create, timeout, max_restarts, log), created
+    client = ActorClient(create, timeout, max_restarts, log)
+    assert client.channel == (worker is SocketFakeWorker)
+    return client, created
 
 
 def propose_until(client, want, timeout=30.0):
@@ -92,8 +114,8 @@ def propose_until(client, want, timeout=30.0):
     raise AssertionError(f"propose() never returned {'a draft' if want else 'None'}")
 
 
-def test_a_killed_actor_is_replaced_and_drafting_resumes(ray_local, caplog):
-    client, created = make_client(ray_local)
+def test_a_killed_actor_is_replaced_and_drafting_resumes(ray_local, worker, caplog):
+    client, created = make_client(ray_local, worker)
     assert client.propose([[1, 2, 3]], [2], 0.05) == [[3, 3]]
     pid = client.info["pid"]
     os.kill(pid, signal.SIGKILL)
@@ -103,10 +125,11 @@ def test_a_killed_actor_is_replaced_and_drafting_resumes(ray_local, caplog):
         assert propose_until(client, want=True) == [[3, 3]]
     assert "draft actor is gone" in caplog.text and "draft actor restarted" in caplog.text
     assert client.restarts == 1 and len(created) == 2 and client.info["pid"] != pid
+    assert client.channel == (worker is SocketFakeWorker)  # the new actor's socket
 
 
-def test_prefetch_never_waits_nor_queues_behind_a_late_call_and_pause_queues_once(ray_local):
-    client, _ = make_client(ray_local, timeout=0.2)
+def test_prefetch_never_waits_nor_queues_behind_a_late_call_and_pause_queues_once(ray_local, worker):
+    client, _ = make_client(ray_local, worker, timeout=0.2)
     assert client.prefetch([[1, 2, 3], [4]])  # handed over, in order before the next call
     assert client.pause()  # the gate turned drafting off
     assert client.propose([[1, 2, 3]], [1], 0.05) == [[3]]
@@ -123,8 +146,8 @@ def test_prefetch_never_waits_nor_queues_behind_a_late_call_and_pause_queues_onc
     assert client.call("get_prefetched") == [3, 1, "paused", "paused"]
 
 
-def test_a_pause_before_a_lend_waits_for_the_actor_but_a_bounded_while(ray_local):
-    client, _ = make_client(ray_local, timeout=0.5)
+def test_a_pause_before_a_lend_waits_for_the_actor_but_a_bounded_while(ray_local, worker):
+    client, _ = make_client(ray_local, worker, timeout=0.5)
     assert client.propose([[1, 2, 3]], [1], 0.05) == [[3]]
     client.call("set_delay", 0.2)  # its decode call under way ends in 0.2 s
     t0 = time.perf_counter()
@@ -136,8 +159,8 @@ def test_a_pause_before_a_lend_waits_for_the_actor_but_a_bounded_while(ray_local
     client.call("set_delay", 0.0)
 
 
-def test_a_stalled_actor_costs_one_bounded_wait(ray_local, caplog):
-    client, _ = make_client(ray_local, timeout=0.2)
+def test_a_stalled_actor_costs_one_bounded_wait(ray_local, worker, caplog):
+    client, _ = make_client(ray_local, worker, timeout=0.2)
     assert client.propose([[1]], [1], 0.05) == [[1]]
     client.call("set_delay", 1.5)
     with caplog.at_level(logging.WARNING, logger="test_client"):
@@ -155,8 +178,8 @@ def test_a_stalled_actor_costs_one_bounded_wait(ray_local, caplog):
     assert client.timeouts == 1 and client.restarts == 0
 
 
-def test_a_slow_answer_is_counted_not_logged(ray_local, caplog):
-    client, _ = make_client(ray_local, timeout=0.2)
+def test_a_slow_answer_is_counted_not_logged(ray_local, worker, caplog):
+    client, _ = make_client(ray_local, worker, timeout=0.2)
     client.call("set_delay", 0.4)  # late, but no stall
     with caplog.at_level(logging.WARNING, logger="test_client"):
         assert client.propose([[1]], [1], 0.05) is None
@@ -165,8 +188,8 @@ def test_a_slow_answer_is_counted_not_logged(ray_local, caplog):
     assert client.timeouts == 1 and caplog.text == ""
 
 
-def test_a_drafter_bug_means_plain_decoding_for_good(ray_local, caplog):
-    client, _ = make_client(ray_local)
+def test_a_drafter_bug_means_plain_decoding_for_good(ray_local, worker, caplog):
+    client, _ = make_client(ray_local, worker)
     client.call("set_broken")  # the next call raises inside the actor
     with caplog.at_level(logging.ERROR, logger="test_client"):
         assert client.propose([[1]], [1], 0.05) is None
@@ -187,10 +210,13 @@ def test_ray_failures_restart_the_actor_and_drafter_bugs_do_not():
     # the drafter's own code raised (Ray wraps it in RayTaskError): it would raise again
     assert not _actor_gone(rex.RayTaskError("propose", "Traceback ...", ValueError("bug")))
     assert not _actor_gone(ValueError("bug"))
+    # the same over the actor's socket: closed with its process, or the drafter raised
+    assert _actor_gone(EOFError()) and _actor_gone(BrokenPipeError())
+    assert not _actor_gone(RemoteError("ValueError: bug"))
 
 
-def test_restarts_are_bounded(ray_local, caplog):
-    client, created = make_client(ray_local, max_restarts=1)
+def test_restarts_are_bounded(ray_local, worker, caplog):
+    client, created = make_client(ray_local, worker, max_restarts=1)
     os.kill(client.info["pid"], signal.SIGKILL)
     propose_until(client, want=False)
     propose_until(client, want=True)

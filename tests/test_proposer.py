@@ -127,7 +127,10 @@ def test_ray_actor_is_named_pinned_and_shared(target_dir):
         p1 = DuoProposer(vllm_config(target_dir, duo=cfg))
         info = p1._client.info
         assert info["cores"] == [1] and info["n_threads"] == 1 and info["pid"] != os.getpid()
-        # every thread of the actor's process, Ray's own included, is off the target's core
+        # on this node: the step's calls take the actor's Unix socket, not Ray
+        assert p1._client.channel and p1.stats()["step_calls"] == "socket"
+        # every thread of the actor's process, Ray's own and the socket's included, is off
+        # the target's core
         masks = [_affinity(int(t)) for t in os.listdir(f"/proc/{info['pid']}/task")]
         masks = [m for m in masks if m is not None]  # a thread may end meanwhile
         assert len(masks) > 1 and set().union(*masks) == {1}
@@ -136,6 +139,7 @@ def test_ray_actor_is_named_pinned_and_shared(target_dir):
             ray.get_actor("duo_test_actor", namespace="some_other_job")
         p2 = DuoProposer(vllm_config(target_dir, duo=cfg))  # attaches to the same actor
         assert p2._client.call("info")["pid"] == info["pid"]
+        assert p2._client.channel  # a connection of its own to the same socket
         assert info["node_id"] == ray.get_runtime_context().get_node_id()
         ids, n = batch([[1, 2, 3, 4]])
         assert len(p2.propose([[4]], n, ids)[0]) == 4

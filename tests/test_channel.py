@@ -1,0 +1,105 @@
+"""The actor's Unix socket for the step's calls (duo_vllm/channel.py), without Ray."""
+
+import threading
+import time
+
+import pytest
+
+from duo_vllm.channel import Channel, ChannelServer, RemoteError
+
+
+class Target:
+    def __init__(self):
+        self.calls = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def propose(self, contexts, budgets):
+        self.gate.wait(5)
+        self.calls.append(("propose", len(contexts)))
+        return [[len(c)] * b for c, b in zip(contexts, budgets)]
+
+    def prefetch(self, contexts):
+        self.calls.append(("prefetch", len(contexts)))
+        return len(contexts)
+
+    def pause(self, wait=False):
+        raise ValueError("a bug in the drafter")
+
+    def stats(self):
+        return {}
+
+
+@pytest.fixture
+def served():
+    target = Target()
+    server = ChannelServer(target)
+    channel = Channel(server.address, server.authkey)
+    yield target, server, channel
+    channel.close()
+    server.close()
+
+
+def test_calls_are_answered_in_the_order_they_were_sent(served):
+    target, _, channel = served
+    assert channel.submit("prefetch", [[1], [2]], reply=False) == 1  # nobody answers it
+    ticket = channel.submit("propose", [[1, 2, 3]], [2])
+    assert channel.get(ticket, timeout=5) == [[3, 3]]
+    assert target.calls == [("prefetch", 2), ("propose", 1)]  # the prefetch ran first
+
+
+def test_a_late_answer_is_kept_until_asked_for(served):
+    target, _, channel = served
+    target.gate.clear()  # the actor's decode call under way
+    late = channel.submit("propose", [[1]], [1])
+    assert not channel.ready(late, timeout=0.05)
+    target.gate.set()
+    nxt = channel.submit("propose", [[1, 2]], [1])
+    assert channel.get(nxt, timeout=5) == [[2]]  # read past the late answer, which is kept
+    assert channel.ready(late) and channel.get(late) == [[1]]
+    target.gate.clear()
+    dropped = channel.submit("propose", [[1]], [1])
+    assert not channel.ready(dropped, timeout=0.05)
+    channel.forget(dropped)  # a wait that ran out: its answer is dropped when it comes
+    target.gate.set()
+    assert channel.get(channel.submit("propose", [[1]], [1]), timeout=5) == [[1]]
+    assert not channel._answers and not channel._dropped
+
+
+def test_a_raising_method_and_an_unserved_name_are_remote_errors(served):
+    _, _, channel = served
+    with pytest.raises(RemoteError, match="a bug in the drafter"):
+        channel.get(channel.submit("pause", True), timeout=5)
+    with pytest.raises(RemoteError, match="not 'stats'"):  # only the step's calls
+        channel.get(channel.submit("stats"), timeout=5)
+    assert channel.get(channel.submit("propose", [[1]], [1]), timeout=5) == [[1]]  # still up
+
+
+def test_a_wrong_authkey_is_refused(served):
+    _, server, _ = served
+    with pytest.raises(Exception):
+        Channel(server.address, b"not the key").submit("prefetch", [[1]], reply=False)
+
+
+def _serve_in_a_process(conn):
+    server = ChannelServer(Target())
+    conn.send((server.address, server.authkey))
+    time.sleep(60)
+
+
+def test_a_dead_actor_process_is_an_eof_or_os_error():
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_serve_in_a_process, args=(there,), daemon=True)
+    proc.start()
+    try:
+        channel = Channel(*here.recv())
+        assert channel.get(channel.submit("propose", [[1]], [1]), timeout=10) == [[1]]
+        proc.kill()
+        proc.join(10)
+        with pytest.raises((EOFError, OSError)):  # ActorClient: the actor is gone
+            channel.get(channel.submit("propose", [[1]], [1]), timeout=5)
+    finally:
+        proc.kill()
