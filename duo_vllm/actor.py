@@ -347,6 +347,7 @@ class DraftWorker:
         self._wake.set()
         if self._channel is not None:
             self._channel.close()
+            self._channel = None
 
 
 class DraftActor(DraftWorker):

@@ -19,12 +19,14 @@ call sent with ``reply=False`` is answered by nobody (Ray's fire-and-forget).
 from __future__ import annotations
 
 import os
+import queue
 import shutil
+import socket
 import sys
 import tempfile
 import threading
 import time
-from multiprocessing.connection import Client, Listener
+from multiprocessing.connection import Client, Listener, answer_challenge, deliver_challenge
 
 STEP_METHODS = ("propose", "prefetch", "pause")  # what the socket serves
 
@@ -34,8 +36,15 @@ class RemoteError(Exception):
 
 
 class ChannelServer:
-    """The actor's end: serves ``methods`` of ``target`` on a Unix socket, one thread a
-    connection, one call at a time (as a Ray actor with ``max_concurrency=1``)."""
+    """The actor's end: serves ``methods`` of ``target`` on a Unix socket, one call at a
+    time a connection (as a Ray actor with ``max_concurrency=1``).
+
+    Each connection has a reader thread that takes messages off the socket as they
+    come, so the proposer's sends never wait on a call under way here (a pause that
+    waits out a decode call, say), and a thread that runs them in order. The
+    authkey handshake runs in the connection's own thread: a client that connects
+    and stays silent stalls no one else.
+    """
 
     def __init__(self, target, methods=STEP_METHODS, lock: threading.Lock | None = None):
         self._target, self._methods = target, frozenset(methods)
@@ -46,7 +55,7 @@ class ChannelServer:
             self._dir = tempfile.mkdtemp(prefix="duo-vllm-")  # 0700: this user only
             self.address = os.path.join(self._dir, "step.sock")
         self.authkey = os.urandom(16)
-        self._listener = Listener(self.address, family="AF_UNIX", authkey=self.authkey)
+        self._listener = Listener(self.address, family="AF_UNIX")  # handshake: _serve
         self._closed = False
         threading.Thread(target=self._accept, name="duo-channel", daemon=True).start()
 
@@ -54,20 +63,33 @@ class ChannelServer:
         while not self._closed:
             try:
                 conn = self._listener.accept()
-            except Exception:  # a client that failed the handshake, or closed
+            except Exception:
                 if self._closed:
                     return
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="duo-channel-conn",
                              daemon=True).start()
 
+    def _handshake(self, conn) -> bool:
+        try:  # what Listener(authkey=...).accept() does, in this connection's thread
+            deliver_challenge(conn, self.authkey)
+            answer_challenge(conn, self.authkey)
+            return True
+        except Exception:  # a wrong key, or a client that went away
+            return False
+
     def _serve(self, conn) -> None:
         with conn:
+            if not self._handshake(conn):
+                return
+            calls: queue.SimpleQueue = queue.SimpleQueue()
+            threading.Thread(target=self._read, args=(conn, calls), name="duo-channel-read",
+                             daemon=True).start()
             while True:
-                try:
-                    seq, name, args, reply = conn.recv()
-                except (EOFError, OSError):  # the proposer went away
+                call = calls.get()
+                if call is None:  # the proposer went away
                     return
+                seq, name, args, reply = call
                 try:
                     if name not in self._methods:
                         raise AttributeError(f"the channel serves {sorted(self._methods)}, "
@@ -76,14 +98,33 @@ class ChannelServer:
                         value, ok = getattr(self._target, name)(*args), True
                 except Exception as e:
                     value, ok = f"{type(e).__name__}: {e}", False
-                if reply:
-                    try:
-                        conn.send((seq, ok, value))
-                    except (EOFError, OSError):
-                        return
+                if reply and not self._answer(conn, seq, ok, value):
+                    return
+
+    @staticmethod
+    def _read(conn, calls) -> None:
+        try:
+            while True:
+                calls.put(conn.recv())
+        except Exception:  # EOF (the proposer went away), or a message that does not unpickle
+            calls.put(None)
+
+    @staticmethod
+    def _answer(conn, seq, ok, value) -> bool:
+        try:
+            conn.send((seq, ok, value))
+        except (EOFError, OSError):
+            return False
+        except Exception as e:  # an answer that does not pickle: a bug, not a lost actor
+            conn.send((seq, False, f"{type(e).__name__}: {e}"))
+        return True
 
     def close(self) -> None:
         self._closed = True
+        try:
+            self._listener._listener._socket.shutdown(socket.SHUT_RDWR)  # wakes accept()
+        except Exception:
+            pass
         try:
             self._listener.close()
         finally:

@@ -78,19 +78,25 @@ class ActorClient:
         self._answer_dev_s = 0.0  # its mean deviation (EMA)
         self._stall_warned = False
         self.channel = False  # the step's calls go over a socket, not through Ray
-        self._calls = self._connect()
+        self._opening = None  # a replacement actor's open_channel(), not answered yet
+        self._calls = self._connect(self._open_channel(self.actor))
 
-    def _connect(self):
-        """The step's calls: over a Unix socket to an actor on this Ray node, else
-        through Ray (another node, an actor that serves no socket, a socket that
-        does not open)."""
+    @staticmethod
+    def _open_channel(actor):
+        """Ask the actor for its socket (a Ray ref), if it serves one."""
+        return actor.open_channel.remote() if _serves_channel(actor) else None
+
+    def _connect(self, opening):
+        """The step's calls: over a Unix socket to an actor on this Ray node (``opening``:
+        its open_channel() call), else through Ray (another node, an actor that serves
+        no socket, a socket that does not open)."""
         through_ray = RayCalls(self._ray, self.actor)
         try:
             here = self._ray.get_runtime_context().get_node_id()
-            if self.info.get("node_id") != here or not _serves_channel(self.actor):
+            if self.info.get("node_id") != here or opening is None:
                 self.channel = False
                 return through_ray
-            address, authkey = self._ray.get(self.actor.open_channel.remote(), timeout=30)
+            address, authkey = self._ray.get(opening, timeout=30)  # at start-up only
             calls = Channel(address, authkey)
         except Exception as e:  # Ray's call still works: only slower
             self._log.info("DuoProposer: the draft actor's socket did not open (%s: %s); "
@@ -136,7 +142,7 @@ class ActorClient:
         t0 = time.perf_counter()
         try:
             ref = self._calls.submit("propose", contexts, budgets, step_s, *args)
-            if not self._calls.ready(ref, timeout):
+            if not self._calls.ready(ref, max(0.0, timeout - (time.perf_counter() - t0))):
                 self._pending = (ref, t0, timeout)
                 self.timeouts += 1
                 self._log.debug("DuoProposer: the draft actor did not answer within %.0f ms; "
@@ -242,14 +248,14 @@ class ActorClient:
         self._restart()
 
     def _restart(self) -> None:
+        self._calls.close()
+        self._calls, self.channel = RayCalls(self._ray, None), False  # none till it answers
         if self.restarts >= self.max_restarts:
             self.disabled = True
             self._log.error("DuoProposer: the draft actor failed after %d restart(s); plain "
                             "decoding from now on", self.restarts)
             return
         self._pending, self._paused_behind, self._stall_warned = None, None, False
-        self._calls.close()
-        self._calls, self.channel = RayCalls(self._ray, None), False  # none till it answers
         dead = getattr(self.actor, "_actor_id", None)
         try:  # a dead named actor keeps its name until killed explicitly
             self._ray.kill(self.actor, no_restart=True)
@@ -269,6 +275,7 @@ class ActorClient:
         self.restarts += 1
         self.actor = actor
         self._starting = actor.info.remote()
+        self._opening = self._open_channel(actor)  # in parallel: no step waits for it
 
     def _replacement_ready(self) -> bool:
         if self._retry_at is not None:
@@ -278,7 +285,8 @@ class ActorClient:
             return False
         if self._starting is None:
             return True
-        if not self.ready(self._starting):
+        if not self.ready(self._starting) or (self._opening is not None
+                                               and not self.ready(self._opening)):
             return False
         ref, self._starting = self._starting, None
         try:
@@ -289,7 +297,7 @@ class ActorClient:
             self._restart()
             return False
         self._answer_s = None
-        self._calls = self._connect()
+        self._calls, self._opening = self._connect(self._opening), None
         self._log.warning("DuoProposer: draft actor restarted (pid %d on node %s, restart %d "
                           "of at most %d); drafting resumes", self.info["pid"],
                           self.info["node_id"], self.restarts, self.max_restarts)
@@ -314,7 +322,9 @@ def _actor_gone(error: Exception) -> bool:
     """
     from ray.exceptions import RayActorError, RayError, RayTaskError
 
-    if isinstance(error, RemoteError):
+    # the drafter raised; Ray's RayTaskError is also an instance of the drafter's own
+    # exception class (an OSError, say), so this test comes first
+    if isinstance(error, (RemoteError, RayTaskError)):
         return False
     if isinstance(error, (EOFError, OSError)):  # the socket: the actor's process is gone
         return True

@@ -66,6 +66,34 @@ def test_a_late_answer_is_kept_until_asked_for(served):
     assert not channel._answers and not channel._dropped
 
 
+def test_a_call_under_way_never_holds_up_the_next_send(served):
+    target, _, channel = served
+    target.gate.clear()  # a call that waits out the actor's decode call
+    late = channel.submit("propose", [[1]], [1])
+    t0 = time.perf_counter()
+    big = [list(range(200_000))]  # past the socket's buffer: read off it as it comes
+    channel.submit("prefetch", big, reply=False)
+    assert time.perf_counter() - t0 < 2.0
+    target.gate.set()
+    assert channel.get(late, timeout=5) == [[1]]
+    assert channel.get(channel.submit("propose", [[1]], [1]), timeout=5) == [[1]]
+    assert target.calls[-2:] == [("prefetch", 1), ("propose", 1)]
+
+
+def test_a_silent_client_does_not_hold_up_the_next(served):
+    import socket
+
+    _, server, _ = served
+    silent = socket.socket(socket.AF_UNIX)
+    silent.connect(server.address)  # connects, never answers the handshake
+    try:
+        other = Channel(server.address, server.authkey)
+        assert other.get(other.submit("propose", [[1, 2]], [1]), timeout=5) == [[2]]
+        other.close()
+    finally:
+        silent.close()
+
+
 def test_a_raising_method_and_an_unserved_name_are_remote_errors(served):
     _, _, channel = served
     with pytest.raises(RemoteError, match="a bug in the drafter"):

@@ -213,6 +213,9 @@ def test_ray_failures_restart_the_actor_and_drafter_bugs_do_not():
     # the same over the actor's socket: closed with its process, or the drafter raised
     assert _actor_gone(EOFError()) and _actor_gone(BrokenPipeError())
     assert not _actor_gone(RemoteError("ValueError: bug"))
+    # through Ray, a drafter's own OSError comes as RayTaskError and OSError at once
+    bug = rex.RayTaskError("propose", "Traceback ...", TimeoutError("bug")).as_instanceof_cause()
+    assert isinstance(bug, OSError) and not _actor_gone(bug)
 
 
 def test_restarts_are_bounded(ray_local, worker, caplog):
