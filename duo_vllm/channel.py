@@ -35,6 +35,11 @@ class RemoteError(Exception):
     """The actor's method raised (a bug in the drafter, not a lost actor)."""
 
 
+class NoAnswer(Exception):
+    """No answer within the wait asked for (not an OSError: the actor is not known
+    to be gone)."""
+
+
 class ChannelServer:
     """The actor's end: serves ``methods`` of ``target`` on a Unix socket, one call at a
     time a connection (as a Ray actor with ``max_concurrency=1``).
@@ -163,7 +168,7 @@ class Channel:
 
     def get(self, ticket: int, timeout: float | None = None):
         if not self.ready(ticket, timeout):
-            raise TimeoutError(f"no answer to call {ticket} within {timeout} s")
+            raise NoAnswer(f"no answer to call {ticket} within {timeout} s")
         ok, value = self._answers.pop(ticket)
         if not ok:
             raise RemoteError(value)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from duo_vllm.channel import RemoteError
+from duo_vllm.channel import NoAnswer, RemoteError
 from duo_vllm.client import AUTO_TIMEOUT_FIRST_S, ActorClient, _actor_gone, auto_timeout
 
 log = logging.getLogger("test_client")
@@ -213,6 +213,7 @@ def test_ray_failures_restart_the_actor_and_drafter_bugs_do_not():
     # the same over the actor's socket: closed with its process, or the drafter raised
     assert _actor_gone(EOFError()) and _actor_gone(BrokenPipeError())
     assert not _actor_gone(RemoteError("ValueError: bug"))
+    assert not _actor_gone(NoAnswer("no answer to call 3 within 0.1 s"))  # late, not gone
     # through Ray, a drafter's own OSError comes as RayTaskError and OSError at once
     bug = rex.RayTaskError("propose", "Traceback ...", TimeoutError("bug")).as_instanceof_cause()
     assert isinstance(bug, OSError) and not _actor_gone(bug)
