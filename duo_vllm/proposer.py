@@ -33,6 +33,7 @@ from .sampling import dense_q
 from .state import pool_window
 from .vllm_patches import (
     check_vllm, fix_cpu_expand_kernel, install_draft_free_sampling, install_draft_probs_hook,
+    install_logprob_free_verify,
     install_new_request_hook,
 )
 from .vocab import check_vocab, target_token_texts
@@ -149,6 +150,7 @@ class DuoProposer:
         # a step without drafts skips the rejection sampler, on every rank alike (they
         # sample in step)
         install_draft_free_sampling()
+        install_logprob_free_verify()  # and one with drafts keeps no copies for logprobs
         self._passive = not drafts
         if self._passive:  # vLLM uses the output rank's drafts only: no Ray, no model here
             logger.info("DuoProposer: tensor/pipeline-parallel rank without drafts (only the "

@@ -21,6 +21,8 @@ implementation of the kernel's contract.
 
 ``draft_free_sampling``: see :func:`install_draft_free_sampling` below.
 
+``logprob_free_verify``: see :func:`install_logprob_free_verify` below.
+
 ``check_vllm``: start-up checks that this vLLM is one the plugin is written
 for (versions in :data:`SUPPORTED_VLLM`, V1's model runner); a mismatch
 fails vLLM's start-up with what to change, or warns, instead of breaking
@@ -30,6 +32,7 @@ checks each private vLLM API used here against the installed vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import sys
@@ -351,6 +354,79 @@ def install_draft_free_sampling() -> bool:
     if not hasattr(GPUModelRunner, "_sample"):
         return False
     GPUModelRunner._sample = with_draft_free_sampling(GPUModelRunner._sample)
+    return True
+
+
+# ``logprob_free_verify``: vLLM's RejectionSampler keeps two copies of the logits
+# for logprobs on every step, asked for or not: the bonus tokens are sampled with
+# ``max_num_logprobs=-1`` (the sampler clones their logits), and the target logits
+# are cloned before the sampling constraints edit them in place. Both copies are
+# read only where ``sampling_metadata.max_num_logprobs`` is set. On a step that asks
+# for no logprobs the wrap below skips them: the bonus sampler is handed
+# ``max_num_logprobs=None`` and the target logits are processed in place (they are
+# already a copy, gathered by index). The same tokens come out.
+
+LOGPROB_FREE_HOOK = "_duo_logprob_free_verify"
+BONUS_NO_LOGPROBS = "_duo_bonus_no_logprobs"  # on the Sampler, during such a step
+
+
+def wants_logprobs(sampling_metadata) -> bool:
+    return getattr(sampling_metadata, "max_num_logprobs", None) is not None or \
+        bool(getattr(sampling_metadata, "logprob_token_ids", None))
+
+
+def with_logprob_free_verify(forward):
+    """Wrap ``RejectionSampler.forward``: a step that asks for no logprobs keeps no
+    logits copies for them."""
+    if getattr(forward, LOGPROB_FREE_HOOK, False):
+        return forward
+
+    @functools.wraps(forward)
+    def verify(self, metadata, draft_probs, logits, sampling_metadata, *args, **kwargs):
+        if wants_logprobs(sampling_metadata) or self.is_processed_logprobs_mode:
+            return forward(self, metadata, draft_probs, logits, sampling_metadata, *args,
+                           **kwargs)
+        sampler = self.sampler
+        self.is_processed_logprobs_mode = True  # the target logits: edited in place
+        setattr(sampler, BONUS_NO_LOGPROBS, True)  # the bonus tokens: no logits kept
+        try:
+            return forward(self, metadata, draft_probs, logits, sampling_metadata, *args,
+                           **kwargs)
+        finally:
+            self.is_processed_logprobs_mode = False
+            setattr(sampler, BONUS_NO_LOGPROBS, False)
+
+    setattr(verify, LOGPROB_FREE_HOOK, True)
+    return verify
+
+
+def with_bonus_without_logprobs(forward):
+    """Wrap ``Sampler.forward``: the rejection sampler's bonus call asks for the full
+    logits (``max_num_logprobs=-1``) only where the step wants logprobs."""
+    if getattr(forward, LOGPROB_FREE_HOOK, False):
+        return forward
+
+    @functools.wraps(forward)
+    def sample(self, logits, sampling_metadata, predict_bonus_token=False, *args, **kwargs):
+        if predict_bonus_token and getattr(self, BONUS_NO_LOGPROBS, False) \
+                and sampling_metadata.max_num_logprobs == -1:
+            sampling_metadata = dataclasses.replace(sampling_metadata, max_num_logprobs=None)
+        return forward(self, logits, sampling_metadata, predict_bonus_token, *args, **kwargs)
+
+    setattr(sample, LOGPROB_FREE_HOOK, True)
+    return sample
+
+
+def install_logprob_free_verify() -> bool:
+    """Install both wraps on vLLM's v1 samplers (idempotent); False where this vLLM
+    lacks them (its verification then keeps the copies, as before)."""
+    try:
+        from vllm.v1.sample.rejection_sampler import RejectionSampler
+        from vllm.v1.sample.sampler import Sampler
+    except ImportError:
+        return False
+    RejectionSampler.forward = with_logprob_free_verify(RejectionSampler.forward)
+    Sampler.forward = with_bonus_without_logprobs(Sampler.forward)
     return True
 
 

@@ -347,3 +347,21 @@ def test_the_plugin_entry_point_is_installed_and_wraps_the_engine_cores_executor
                                           entry_points(group="vllm.general_plugins")}
     register()
     assert getattr(MultiprocExecutor.take_draft_token_ids, "_duo_drafts_out", False)
+
+
+def test_the_rejection_sampler_keeps_logits_copies_for_logprobs_only():
+    """What logprob_free_verify skips: the bonus call's ``max_num_logprobs=-1`` and the
+    target logits' clone, both read only where the step asks for logprobs."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    src = inspect.getsource(getattr(RejectionSampler.forward, "__wrapped__",
+                                    RejectionSampler.forward))
+    assert "max_num_logprobs=-1" in src and "predict_bonus_token=True" in src
+    assert re.search(r"if not self\.is_processed_logprobs_mode:\s*\n(\s*#.*\n)*\s*"
+                     r"target_logits = target_logits\.clone\(\)", src)
+    assert re.search(r"if sampling_metadata\.max_num_logprobs is not None:\s*\n\s*"
+                     r"logprobs_tensors = self\._get_logprobs_tensors\(", src)
+    forward = getattr(Sampler.forward, "__wrapped__", Sampler.forward)
+    assert list(inspect.signature(forward).parameters)[:4] == [
+        "self", "logits", "sampling_metadata", "predict_bonus_token"]

@@ -444,3 +444,122 @@ def test_draft_free_sampling_installs_on_vllms_model_runner():
 
     assert install_draft_free_sampling() and install_draft_free_sampling()  # idempotent
     assert getattr(gmr.GPUModelRunner._sample, DRAFT_FREE_HOOK)
+
+
+def _spec_metadata(drafts):
+    """vLLM's SpecDecodeMetadata for these drafts, logits laid out as vLLM lays them:
+    each request's rows at its drafts, then its bonus row."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    meta = SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
+    target, bonus, start = [], [], 0
+    for d in drafts:
+        target += range(start, start + len(d))
+        bonus.append(start + len(d))
+        start += len(d) + 1
+    meta.target_logits_indices = torch.tensor(target, dtype=torch.int32)
+    meta.bonus_logits_indices = torch.tensor(bonus, dtype=torch.int32)
+    meta.logits_indices = torch.arange(start, dtype=torch.int32)
+    return meta
+
+
+def _cpu_rejection_kernels():
+    """vLLM-CPU's kernels for the rejection sampler, as its platform registers them at
+    start-up (once: a second registration would undo the expand fix), then the fix."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.triton_utils import dispatcher
+
+    from duo_vllm.vllm_patches import fix_cpu_expand_kernel
+
+    if "vllm.v1.sample.rejection_sampler.rejection_greedy_sample_kernel" not in \
+            dispatcher._registry:
+        CpuPlatform.register_triton_kernel_overrides()
+    fix_cpu_expand_kernel()
+
+
+@pytest.mark.parametrize("temps", [[0, 0, 0, 0], [0.7, 1.0, 0.7, 0.5], [0, 0.7, 0, 1.3]])
+def test_verifying_without_logprobs_keeps_no_copies_and_the_same_tokens(temps, monkeypatch):
+    """The rejection sampler, stock and wrapped, on a step with drafts (hand-built
+    logits, seeded rows): the same tokens; wrapped, its bonus call asks for no logits
+    and the target logits are not cloned."""
+    rs = pytest.importorskip("vllm.v1.sample.rejection_sampler")
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from duo_vllm.vllm_patches import with_bonus_without_logprobs, with_logprob_free_verify
+
+    _cpu_rejection_kernels()
+    torch.manual_seed(0)
+    drafts = [[3, 4], [5], [7, 8, 9], [2]]
+    meta = _spec_metadata(drafts)
+    logits = torch.randn(sum(len(d) + 1 for d in drafts), 50) * 3
+    logits[0, 3] = logits[1, 4] = 30.0  # the first row's drafts are the target's argmax
+    asked, clones = [], []
+
+    def spy(forward):
+        def sample(self, logits, sampling_metadata, predict_bonus_token=False, **kw):
+            if predict_bonus_token:
+                asked.append(sampling_metadata.max_num_logprobs)
+            return forward(self, logits, sampling_metadata, predict_bonus_token, **kw)
+        return sample
+
+    stock_forward, stock_sample = rs.RejectionSampler.forward, Sampler.forward
+    clone = torch.Tensor.clone
+    monkeypatch.setattr(torch.Tensor, "clone",
+                        lambda t, *a, **k: clones.append(tuple(t.shape)) or clone(t, *a, **k))
+    outs = {}
+    for arm, (fwd, smp) in {"stock": (stock_forward, spy(stock_sample)),
+                            "wrapped": (with_logprob_free_verify(stock_forward),
+                                        with_bonus_without_logprobs(spy(stock_sample)))
+                            }.items():
+        monkeypatch.setattr(rs.RejectionSampler, "forward", fwd)
+        monkeypatch.setattr(Sampler, "forward", smp)
+        asked.clear(), clones.clear()
+        verifier = rs.RejectionSampler(Sampler())
+        outs[arm] = [verifier(meta, None, logits.clone(), sampling_metadata(temps, seed))
+                     .sampled_token_ids.tolist() for seed in range(4)]
+        outs[arm + " asked"], outs[arm + " clones"] = list(asked), list(clones)
+        assert not verifier.is_processed_logprobs_mode  # restored after the step
+    assert outs["wrapped"] == outs["stock"]
+    assert outs["stock"][0][0][:3] == [3, 4, outs["stock"][0][0][2]]  # accepted, then a bonus
+    assert set(outs["stock asked"]) == {-1} and set(outs["wrapped asked"]) == {None}
+    n_target = sum(len(d) for d in drafts)
+    assert (n_target, 50) in outs["stock clones"]  # the target logits kept for logprobs
+    assert (n_target, 50) not in outs["wrapped clones"]
+
+
+def test_verifying_with_logprobs_asked_keeps_vllms_path():
+    rs = pytest.importorskip("vllm.v1.sample.rejection_sampler")
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from duo_vllm.vllm_patches import with_logprob_free_verify
+
+    _cpu_rejection_kernels()
+    meta = _spec_metadata([[3], [5, 6]])
+    logits = torch.randn(5, 50)
+    seen = []
+
+    def forward(self, metadata, draft_probs, logits, sampling_metadata):
+        seen.append(self.is_processed_logprobs_mode)
+        return rs.RejectionSampler.forward(self, metadata, draft_probs, logits,
+                                           sampling_metadata)
+
+    verifier = rs.RejectionSampler(Sampler())
+    wrapped = with_logprob_free_verify(forward)
+    out = wrapped(verifier, meta, None, logits.clone(), sampling_metadata([0, 0], None, 1))
+    assert seen == [False] and out.logprobs_tensors is not None  # as vLLM computes them
+    wrapped(verifier, meta, None, logits.clone(), sampling_metadata([0, 0]))
+    assert seen == [False, True] and not verifier.is_processed_logprobs_mode
+
+
+def test_logprob_free_verify_installs_on_vllms_samplers():
+    rs = pytest.importorskip("vllm.v1.sample.rejection_sampler")
+    from vllm.v1.sample.sampler import Sampler
+
+    from duo_vllm.vllm_patches import LOGPROB_FREE_HOOK, install_logprob_free_verify
+
+    assert install_logprob_free_verify() and install_logprob_free_verify()  # idempotent
+    for wrapped in (rs.RejectionSampler.forward, Sampler.forward):
+        assert getattr(wrapped, LOGPROB_FREE_HOOK) and not getattr(
+            wrapped.__wrapped__, LOGPROB_FREE_HOOK, False)
