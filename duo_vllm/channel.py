@@ -51,9 +51,9 @@ class ChannelServer:
     and stays silent stalls no one else.
     """
 
-    def __init__(self, target, methods=STEP_METHODS, lock: threading.Lock | None = None):
+    def __init__(self, target, methods=STEP_METHODS):
         self._target, self._methods = target, frozenset(methods)
-        self._lock = lock or threading.Lock()
+        self._lock = threading.Lock()  # one call at a time, whichever connection
         if sys.platform.startswith("linux"):
             self._dir, self.address = None, f"\0duo-vllm-{os.getpid()}-{os.urandom(8).hex()}"
         else:
@@ -184,7 +184,7 @@ class Channel:
 
 
 class RayCalls:
-    """The same four calls through Ray (another node, or no socket)."""
+    """The same calls through Ray (another node, or no socket)."""
 
     def __init__(self, ray, actor):
         self._ray, self._actor = ray, actor

@@ -313,13 +313,18 @@ def install_draft_probs_hook() -> bool:
 DRAFT_FREE_HOOK = "_duo_draft_free_sampling"
 
 
+def wants_logprobs(sampling_metadata) -> bool:
+    """Does the step ask for logprobs (top-k or of given tokens)?"""
+    return getattr(sampling_metadata, "max_num_logprobs", None) is not None or \
+        bool(getattr(sampling_metadata, "logprob_token_ids", None))
+
+
 def draft_free(spec_decode_metadata, sampling_metadata) -> bool:
     """Is this a speculative step with nothing to verify, that plain sampling serves?"""
     if spec_decode_metadata is None or max(spec_decode_metadata.num_draft_tokens,
                                            default=0) > 0:
         return False
-    if getattr(sampling_metadata, "max_num_logprobs", None) is not None or \
-            getattr(sampling_metadata, "logprob_token_ids", None):
+    if wants_logprobs(sampling_metadata):
         return False
     # a thinking budget's state advances by the rejection sampler's bonus-token rule
     # (``predict_bonus_token``), which vLLM's plain sampler does not follow
@@ -368,11 +373,6 @@ def install_draft_free_sampling() -> bool:
 
 LOGPROB_FREE_HOOK = "_duo_logprob_free_verify"
 BONUS_NO_LOGPROBS = "_duo_bonus_no_logprobs"  # on the Sampler, during such a step
-
-
-def wants_logprobs(sampling_metadata) -> bool:
-    return getattr(sampling_metadata, "max_num_logprobs", None) is not None or \
-        bool(getattr(sampling_metadata, "logprob_token_ids", None))
 
 
 def with_logprob_free_verify(forward):
