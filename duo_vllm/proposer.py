@@ -446,8 +446,9 @@ class DuoProposer:
         # a lookup token pays where α > c · goodput, goodput ~ the plain step's
         cost = self.step_time.cost(len(keys))
         threshold = math.inf if cost is None else cost.per_token * len(keys) / cost.t0
-        return [Hint(list(d), self.lookup.alpha(MODEL, key, t), self.lookup.alpha(LOOKUP, key, t),
-                     threshold) for key, t, d in zip(keys, temps, lookups)]
+        return [Hint(list(d), self.lookup.alpha(MODEL, key, t),
+                     self.lookup.alpha(LOOKUP, key, t, n), threshold)
+                for key, t, d, n in zip(keys, temps, lookups, self.lookup.matches)]
 
     def _serve(self, drafts, rows, keys, contexts, temps, lookups, model, hints=None, qs=None):
         """The step's drafts: model drafts and lookup drafts combined per row (``qs``:
@@ -466,7 +467,8 @@ class DuoProposer:
                 if source == MODEL and q is not None:
                     drawn[i] = q
                 self.lookup.remember(keys[j], len(contexts[j]), temps[j],
-                                     {LOOKUP: lookups[j], MODEL: m}, source, served)
+                                     {LOOKUP: lookups[j], MODEL: m}, source, served,
+                                     self.lookup.matches[j])
         self._last_step = (len(rows), sum(len(d) for d in drafts))
         self._step_q = None
         if any(q is not None for q in drawn):

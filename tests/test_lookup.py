@@ -5,8 +5,9 @@ import time
 import numpy as np
 import pytest
 
-from duo_vllm.lookup import (LOOKUP, MODEL, ContextLookup, choose, combine, find_continuation,
-                              paying_length, score)
+from duo_vllm.lookup import (LOOKUP, MATCH_CLASSES, MODEL, ContextLookup, choose, combine,
+                             find_continuation, find_match, match_class,
+                             paying_length, score)
 
 
 def ctx(*tokens):
@@ -83,7 +84,38 @@ def test_each_source_is_scored_served_or_not_and_finished_requests_are_forgotten
     assert a_l > 0.4  # prior 0.4, then 2 of 3 trials (the 4th token never judged)
     assert a_m < 0.7  # prior 0.7, then 1 of 2 trials (4 rejected)
     lk.observe(["b"], [ctx(1, 2)])  # "a" finished
-    assert lk.alpha(LOOKUP, "a", 0.0) == pytest.approx(lk.acceptance[LOOKUP].regime_alpha("greedy"))
+    assert lk.alpha(LOOKUP, "a", 0.0) == pytest.approx(
+        lk.acceptance[LOOKUP].by_class[match_class(0)].regime_alpha("greedy"))
+
+
+def test_the_match_length_comes_with_the_continuation():
+    c = ctx(4, 1, 2, 3, 8, 2, 3, 9, 4, 1, 2, 3)
+    tokens, n = find_match(c, 1, 2, 4)
+    assert tokens.tolist() == [8] and n == 4  # "4 1 2 3" again
+    assert find_match(c, 1, 2, 2)[1] == 2  # capped at max_n
+    assert find_match(ctx(1, 2, 3, 4), 4, 2, 4)[1] == 0  # no match
+    lk = ContextLookup(min_n=2, max_n=4)
+    assert lk.propose([c, ctx(1, 2, 3, 4)], [1, 1]) == [[8], []]
+    assert lk.matches == [4, 0]
+
+
+def test_lookup_acceptance_is_kept_per_match_length():
+    lk = ContextLookup(min_n=2, max_n=8)
+    greedy = lk.acceptance[LOOKUP].regime_alpha("greedy")
+    assert [greedy[c] for c in MATCH_CLASSES] == sorted(greedy.values())  # priors rise with n
+    assert match_class(2) == 2 and match_class(5) == 4 and match_class(8) == 6
+    long_before = lk.alpha(LOOKUP, "a", 0.0, match=8)
+    for i in range(30):  # short matches of request "a" are rejected at once, every time
+        lk.remember("a", 10 * i, 0.0, {LOOKUP: [1, 2]}, LOOKUP, [1, 2], match=2)
+        lk.observe(["a"], [np.arange(10 * i + 1, dtype=np.int32) + 5])
+    assert lk.alpha(LOOKUP, "a", 0.0, match=2) < 0.1
+    assert lk.alpha(LOOKUP, "a", 0.0, match=3) < lk.alpha(LOOKUP, "a", 0.0, match=8)
+    assert lk.alpha(LOOKUP, "a", 0.0, match=8) == pytest.approx(long_before)  # untouched
+    # a long match served and accepted in full raises its own class only
+    lk.remember("a", 400, 0.0, {LOOKUP: [7, 7, 7]}, LOOKUP, [7, 7, 7], match=6)
+    lk.observe(["a"], [np.concatenate([np.zeros(400, np.int32), ctx(7, 7, 7, 1)])])
+    assert lk.alpha(LOOKUP, "a", 0.0, match=6) > long_before
+    assert lk.alpha(LOOKUP, "a", 0.0, match=2) < 0.1
 
 
 def test_a_lookup_tail_is_cut_where_its_tokens_stop_paying():

@@ -214,7 +214,7 @@ def test_lookup_drafts_are_served_when_the_draft_model_is_off_and_scored_per_sou
     assert s["lookup_tokens_served"] == 4 and s["lookup_tokens_accepted"] == 2
     key = ("row", 0)  # no runner attached: rows are the keys
     assert p.lookup.acceptance[MODEL].alpha(key, "greedy") == pytest.approx(0.7)  # untouched
-    assert p.lookup.acceptance[LOOKUP].alpha(key, "greedy") > 0.4  # 2 of 3 accepted
+    assert p.lookup.alpha(LOOKUP, key, 0.0, match=2) > 0.4  # 2 of 3 accepted, after "5 6"
 
 
 def test_lookup_and_model_drafts_are_combined_by_agreement(clock):
@@ -251,9 +251,31 @@ def test_lookup_tokens_that_do_not_pay_are_not_served(clock):
     sampled, n, ids = inputs([[5, 6, 7, 8, 5, 6]])
     assert p.propose(sampled, n, ids) == [[7, 8]]  # the prior (0.4) pays for two
     for _ in range(20):
-        p.lookup.acceptance[LOOKUP].observe(("row", 0), "greedy", 0, 1)  # never accepted
+        # never accepted after a 2-token match
+        p.lookup.acceptance[LOOKUP].observe(("row", 0), "greedy", 2, 0, 1)
     sampled, n, ids = inputs([[5, 6, 7, 8, 5, 6, 9, 5, 6]])
     assert p.propose(sampled, n, ids) == [[]]
+
+
+def test_a_weak_match_that_does_not_pay_leaves_a_long_one_served(clock):
+    """Lookup acceptance is kept per match length: short matches that were never
+    accepted are no longer served, while a long match of the same request is."""
+    from duo_vllm.lookup import LOOKUP, ContextLookup
+
+    w = FakeWorker()
+    p = bare(w, k=2)
+    p.k_lookup = 4
+    p.lookup = ContextLookup(min_n=2, max_n=8)
+    p._gated, p._on = False, False
+    for e in range(0, 5):  # verifying a token costs a tenth of a plain step
+        p.step_time.observe(1, e, 0.050 + 0.005 * e)
+    for _ in range(20):
+        p.lookup.acceptance[LOOKUP].observe(("row", 0), "greedy", 2, 0, 1)  # never accepted
+    sampled, n, ids = inputs([[5, 6, 7, 8, 1, 5, 6]])  # "5 6": a 2-token match
+    assert p.propose(sampled, n, ids) == [[]]
+    long_ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 1, 2, 3, 4, 5, 6]  # a 6-token match
+    sampled, n, ids = inputs([long_ctx])
+    assert p.propose(sampled, n, ids) == [[7, 8, 9, 9]]
 
 
 class PausingWorker(FakeWorker):
