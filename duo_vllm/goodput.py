@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from numbers import Real
 from typing import Callable, Sequence
 
 GREEDY, SAMPLED = "greedy", "sampled"
@@ -43,10 +44,29 @@ def regime(temperature: float) -> str:
     return GREEDY if temperature < 1e-5 else SAMPLED
 
 
-def expected_accepted(alpha: float, n: int) -> float:
-    """E(α, n): expected accepted tokens of an ``n``-token draft, i.i.d. acceptance ``α``."""
+def token_alphas(alpha: float | Sequence[float], n: int, start: int = 0) -> list[float]:
+    """The acceptance of tokens ``start`` to ``start + n - 1`` of a draft, each given
+    the ones before it accepted: ``alpha`` for every token of an i.i.d. draft, or the
+    draft's own sequence of them (a lookup copy's, which rise as its match grows), its
+    last value carried on."""
+    if isinstance(alpha, Real):
+        return [float(alpha)] * max(n, 0)
+    last = len(alpha) - 1
+    return [float(alpha[min(t, last)]) for t in range(start, start + n)] if alpha else \
+        [0.0] * max(n, 0)
+
+
+def expected_accepted(alpha: float | Sequence[float], n: int) -> float:
+    """E(α, n): expected accepted tokens of an ``n``-token draft, i.i.d. acceptance ``α``
+    (or Σₜ Πₛ≤ₜ αₛ, with a sequence of per-token α, :func:`token_alphas`)."""
     if n <= 0:
         return 0.0
+    if not isinstance(alpha, Real):
+        total, p = 0.0, 1.0
+        for a in token_alphas(alpha, n):
+            p *= a
+            total += p
+        return total
     if alpha >= 1.0:
         return float(n)
     return alpha * (1 - alpha ** n) / (1 - alpha)
@@ -163,11 +183,12 @@ def predraft_time(depths: Sequence[int], catch_up: Sequence[int],
     return t
 
 
-def predraft_root(n: int, agree: int, alpha: float, alpha_lookup: float,
+def predraft_root(n: int, agree: int, alpha: float, alpha_lookup: float | Sequence[float],
                   hedge: bool = True) -> tuple[int, float]:
     """Where the next step's pre-draft starts, for a request served ``n`` tokens of
     which the draft model drafted the first ``agree`` itself and a lookup copied
-    the rest (accepted at ``alpha_lookup`` a token; the model at ``alpha``).
+    the rest (accepted at ``alpha_lookup`` a token, or per token of the copy as
+    :func:`token_alphas` reads it; the model at ``alpha``).
 
     Rooted after the whole draft, its branches are reached when the target
     accepts all of it; rooted where the copy parts from the model, the model's
@@ -181,8 +202,10 @@ def predraft_root(n: int, agree: int, alpha: float, alpha_lookup: float,
     likelier of the two; after the whole draft without ``hedge`` (a sampled
     request's drafts are drawn, not copied).
     """
-    p_end = alpha ** agree * alpha_lookup ** (n - agree)
-    p_part = alpha ** agree * min(1.0, (1.0 - alpha_lookup) / max(alpha, 1e-9))
+    tail = token_alphas(alpha_lookup, n - agree, agree)
+    p_end = alpha ** agree * math.prod(tail)
+    p_part = alpha ** agree * min(1.0, (1.0 - token_alphas(alpha_lookup, 1, agree)[0])
+                                  / max(alpha, 1e-9))
     return (agree, p_part) if hedge and agree < n and p_part > p_end else (n, p_end)
 
 

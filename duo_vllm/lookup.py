@@ -20,11 +20,12 @@ any draft, so they pass the goodput rule of :mod:`duo_vllm.goodput` first.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .goodput import Acceptance, regime
+from .goodput import Acceptance, regime, token_alphas
 
 LOOKUP, MODEL = "lookup", "model"
 # a lookup draft's acceptance is kept per class of the length of the match it follows:
@@ -102,11 +103,12 @@ def score(draft, produced) -> tuple[int, int]:
 
 
 def combine(model: list[int], lookup: list[int], alpha_model: float,
-            alpha_lookup: float) -> tuple[list[int], str]:
+            alpha_lookup: float | Sequence[float]) -> tuple[list[int], str]:
     """The draft to serve from a draft-model draft and a lookup draft, and its source.
 
     Where one is a prefix of the other they agree: serve the longer. Where they
-    part, serve the source whose tokens are more likely accepted.
+    part, serve the source whose token there is more likely accepted
+    (``alpha_lookup``: per token of the copy, or one α for all).
     """
     if not lookup:
         return model, MODEL
@@ -115,7 +117,8 @@ def combine(model: list[int], lookup: list[int], alpha_model: float,
     agree = common_prefix(model, lookup)
     if agree == len(model) or agree == len(lookup):
         return (lookup, LOOKUP) if len(lookup) > len(model) else (model, MODEL)
-    return (lookup, LOOKUP) if alpha_lookup > alpha_model else (model, MODEL)
+    return (lookup, LOOKUP) if token_alphas(alpha_lookup, 1, agree)[0] > alpha_model \
+        else (model, MODEL)
 
 
 @dataclass(frozen=True)
@@ -129,25 +132,30 @@ class Hint:
 
     tokens: list
     alpha_model: float
-    alpha_lookup: float
+    alpha_lookup: float | tuple  # per token of ``tokens`` (MatchAcceptance.alphas)
     threshold: float
 
 
-def paying_length(lead: float, alpha: float, n: int, threshold: float) -> int:
+def paying_length(lead: float, alpha: float | Sequence[float], n: int, threshold: float,
+                  start: int = 0) -> int:
     """Tokens of an ``n``-token lookup tail worth verifying.
 
-    Its t-th token is accepted with probability ``lead`` · αᵗ (``lead``: the
-    chance the draft tokens before the tail are all accepted) and pays while
-    that beats ``threshold`` = c · goodput (:func:`duo_vllm.goodput.pays`).
+    Its t-th token is accepted with probability ``lead`` · α₁ ··· αₜ (``lead``:
+    the chance the draft tokens before the tail are all accepted; the α of the
+    copy's tokens ``start`` on, :func:`~duo_vllm.goodput.token_alphas`) and
+    pays while that beats ``threshold`` = c · goodput
+    (:func:`duo_vllm.goodput.pays`).
     """
     t, p = 0, lead
-    while t < n and p * alpha > threshold:
-        t, p = t + 1, p * alpha
+    for a in token_alphas(alpha, n, start):
+        if p * a <= threshold:
+            break
+        t, p = t + 1, p * a
     return t
 
 
-def choose(model: list[int], lookup: list[int], alpha_model: float, alpha_lookup: float,
-           threshold: float) -> tuple[list[int], str]:
+def choose(model: list[int], lookup: list[int], alpha_model: float,
+           alpha_lookup: float | Sequence[float], threshold: float) -> tuple[list[int], str]:
     """:func:`combine`, with a lookup tail cut to what pays for its verification."""
     draft, source = combine(model, lookup, alpha_model, alpha_lookup)
     if source != LOOKUP:
@@ -155,7 +163,7 @@ def choose(model: list[int], lookup: list[int], alpha_model: float, alpha_lookup
     agree = common_prefix(model, lookup)
     if agree == len(model):  # the model's draft, extended by the lookup's tail
         n = agree + paying_length(alpha_model ** agree, alpha_lookup, len(draft) - agree,
-                                  threshold)
+                                  threshold, start=agree)
         if model and n <= len(model):
             return model, MODEL
         return draft[:n], LOOKUP
@@ -189,10 +197,18 @@ class MatchAcceptance:
         self.by_class = {c: Acceptance(prior=LOOKUP_PRIOR[c]) for c in MATCH_CLASSES}
 
     def observe(self, key, reg: str, match: int, accepted: int, proposed: int) -> None:
-        self.by_class[match_class(match)].observe(key, reg, accepted, proposed)
+        """A copy that followed a ``match``-token match: its token t (0-based) was tried
+        after a match of ``match + t`` tokens, as far as the target judged it."""
+        for t in range(min(accepted + 1, proposed)):
+            self.by_class[match_class(match + t)].observe(key, reg, int(t < accepted), 1)
 
     def alpha(self, key, reg: str, match: int) -> float:
         return self.by_class[match_class(match)].alpha(key, reg)
+
+    def alphas(self, key, reg: str, match: int, n: int) -> tuple[float, ...]:
+        """The α of each of the ``n`` tokens of a copy after a ``match``-token match,
+        each given the ones before it accepted: its match has grown by then."""
+        return tuple(self.alpha(key, reg, match + t) for t in range(n))
 
     def forget(self, key) -> None:
         for a in self.by_class.values():
@@ -267,6 +283,10 @@ class ContextLookup:
         if source == LOOKUP:
             return self.acceptance[LOOKUP].alpha(key, regime(temperature), match)
         return self.acceptance[source].alpha(key, regime(temperature))
+
+    def alphas(self, key, temperature: float, match: int, n: int) -> tuple[float, ...]:
+        """The α of each token of request ``key``'s ``n``-token lookup draft."""
+        return self.acceptance[LOOKUP].alphas(key, regime(temperature), match, n)
 
     def remember(self, key, start: int, temperature: float, drafts: dict,
                  served: str | None, tokens: list, match: int = 0) -> None:

@@ -447,7 +447,7 @@ class DuoProposer:
         cost = self.step_time.cost(len(keys))
         threshold = math.inf if cost is None else cost.per_token * len(keys) / cost.t0
         return [Hint(list(d), self.lookup.alpha(MODEL, key, t),
-                     self.lookup.alpha(LOOKUP, key, t, n), threshold)
+                     self.lookup.alphas(key, t, n, len(d)), threshold)
                 for key, t, d, n in zip(keys, temps, lookups, self.lookup.matches)]
 
     def _serve(self, drafts, rows, keys, contexts, temps, lookups, model, hints=None, qs=None):

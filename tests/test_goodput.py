@@ -5,7 +5,7 @@ import pytest
 from duo_vllm.goodput import (
     Acceptance, DraftTimeModel, StepTimeModel, TargetCost, catch_up_pays, expected_accepted,
     plan_predraft,
-    plan_served, plan_sync, predraft_root, predraft_time, regime,
+    plan_served, plan_sync, predraft_root, predraft_time, regime, token_alphas,
 )
 
 
@@ -237,3 +237,15 @@ def test_the_pre_draft_is_rooted_where_the_next_step_likelier_starts():
     assert predraft_root(3, 3, 0.8, 0.1) == (3, pytest.approx(0.512))
     # a sure model (α 0.99) and an unsure copy: the model's guess is capped by 1 - α_l
     assert predraft_root(1, 0, 0.99, 0.5)[1] * 0.99 == pytest.approx(0.5)
+
+
+def test_per_token_alphas_of_a_copy():
+    assert token_alphas(0.8, 3) == [0.8, 0.8, 0.8]
+    assert token_alphas((0.5, 0.7, 0.9), 4) == [0.5, 0.7, 0.9, 0.9]  # the last carried on
+    assert token_alphas((0.5, 0.7, 0.9), 2, start=1) == [0.7, 0.9]
+    assert expected_accepted((0.5, 1.0), 3) == pytest.approx(0.5 + 0.5 + 0.5)
+    assert expected_accepted((0.8,), 4) == pytest.approx(expected_accepted(0.8, 4))
+    # the copy's tokens after the model's: p_end from its own α there
+    assert predraft_root(4, 2, 0.9, (0.1, 0.2, 0.9, 0.9), hedge=False) == \
+        (4, pytest.approx(0.81 * 0.81))
+    assert predraft_root(4, 2, 0.9, (0.9, 0.9, 0.3, 0.3))[0] == 2  # a weak tail: hedged

@@ -5,7 +5,8 @@ import time
 import numpy as np
 import pytest
 
-from duo_vllm.lookup import (LOOKUP, MATCH_CLASSES, MODEL, ContextLookup, choose, combine,
+from duo_vllm.lookup import (LOOKUP, LOOKUP_PRIOR, MATCH_CLASSES, MODEL, ContextLookup,
+                             MatchAcceptance, choose, combine,
                              find_continuation, find_match, match_class,
                              paying_length, score)
 
@@ -72,6 +73,9 @@ def test_agreeing_sources_serve_the_longer_and_disagreeing_the_more_likely():
     assert combine([1, 2], [1, 5, 6], 0.5, 0.9) == ([1, 5, 6], LOOKUP)
     assert combine([], [4], 0.9, 0.1) == ([4], LOOKUP)
     assert combine([3], [], 0.1, 0.9) == ([3], MODEL)
+    # per-token α of the copy: compared where they part
+    assert combine([1, 2], [1, 5, 6], 0.7, (0.5, 0.8, 0.9)) == ([1, 5, 6], LOOKUP)
+    assert combine([1, 2], [1, 5, 6], 0.7, (0.8, 0.6, 0.9)) == ([1, 2], MODEL)
 
 
 def test_each_source_is_scored_served_or_not_and_finished_requests_are_forgotten():
@@ -118,7 +122,26 @@ def test_lookup_acceptance_is_kept_per_match_length():
     assert lk.alpha(LOOKUP, "a", 0.0, match=2) < 0.1
 
 
+def test_a_copy_is_judged_token_by_token_as_its_match_grows():
+    """Token t of a copy after an n-token match was tried after a match of n + t
+    tokens: a class's α is each token's acceptance given the ones before it."""
+    m = MatchAcceptance()
+    m.observe("a", "greedy", 2, 2, 4)  # after "2": accepted at 2 and 3, rejected at 4
+    trials = {c: a._requests.get("a") for c, a in m.by_class.items()}
+    assert trials[2] == [1.0, 1.0] and trials[3] == [1.0, 1.0]
+    assert trials[4] == [0.0, 1.0] and trials[6] is None  # the 4th token never judged
+    m.observe("b", "greedy", 6, 3, 3)  # all accepted: three successes, no failure
+    assert m.by_class[6]._requests["b"] == [pytest.approx(2.71), pytest.approx(2.71)]
+    assert MatchAcceptance().alphas("c", "greedy", 2, 3) == tuple(
+        LOOKUP_PRIOR[c]["greedy"] for c in (2, 3, 4))  # before any trial: the priors
+
+
 def test_a_lookup_tail_is_cut_where_its_tokens_stop_paying():
+    # per-token α that rise as the match grows: 0.5, then 0.9s
+    assert paying_length(1.0, (0.5, 0.9, 0.9, 0.9), 4, 0.3) == 4  # .5 .45 .405 .36
+    assert paying_length(1.0, (0.5, 0.9), 8, 0.3) == 5  # the last α carried on: .328
+    assert paying_length(1.0, (0.5, 0.5, 0.9), 2, 0.1, start=1) == 2  # from token 1: .5 .45
+    assert choose([1, 2], [1, 2, 3, 4], 0.9, (0.3, 0.3, 0.95, 0.2), 0.5) == ([1, 2, 3], LOOKUP)
     assert paying_length(1.0, 0.5, 8, 0.1) == 3  # 0.5, 0.25, 0.125 > 0.1 > 0.0625
     assert paying_length(0.5, 0.5, 8, 0.1) == 2  # after a lead of 0.5
     assert paying_length(1.0, 0.9, 2, 0.1) == 2  # capped by the tail

@@ -235,8 +235,9 @@ def test_lookup_and_model_drafts_are_combined_by_agreement(clock):
     assert choose([7, 8], hint.tokens, hint.alpha_model, hint.alpha_lookup,
                   hint.threshold)[0] == [7, 8, 9, 10]
     w.drafts = [[3, 4]]  # the model disagrees: the source more likely accepted wins
-    sampled, n, ids = inputs([[5, 6, 7, 8, 9, 10, 5, 6, 7, 1, 5, 6]])
-    assert p.propose(sampled, n, ids) == [[3, 4]]  # model prior 0.7 > lookup's measured
+    # the target said 11: both drafts rejected at once; the lookup's prior was lower
+    sampled, n, ids = inputs([[5, 6, 7, 8, 9, 10, 5, 6, 11, 5, 6]])
+    assert p.propose(sampled, n, ids) == [[3, 4]]  # model 0.7 → 0.45 > lookup 0.4 → 0.26
 
 
 def test_lookup_tokens_that_do_not_pay_are_not_served(clock):
