@@ -52,7 +52,7 @@ def token_alphas(alpha: float | Sequence[float], n: int, start: int = 0) -> list
     if isinstance(alpha, Real):
         return [float(alpha)] * max(n, 0)
     last = len(alpha) - 1
-    return [float(alpha[min(t, last)]) for t in range(start, start + n)] if alpha else \
+    return [float(alpha[min(t, last)]) for t in range(start, start + n)] if len(alpha) else \
         [0.0] * max(n, 0)
 
 
@@ -194,8 +194,8 @@ def predraft_root(n: int, agree: int, alpha: float, alpha_lookup: float | Sequen
     accepts all of it; rooted where the copy parts from the model, the model's
     own next token there is taken when the target turns the copied one down:
 
-        p_end  = α^agree · α_l^(n - agree)
-        p_part = α^agree · min(α, 1 - α_l) / α
+        p_end  = α^agree · Π α_l,t (t = agree .. n-1)
+        p_part = α^agree · min(α, 1 - α_l,agree) / α
 
     (each times α is the chance the target's next token then starts the top
     branch). Returns (tokens of the served draft the root holds, its p), the

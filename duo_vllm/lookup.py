@@ -46,15 +46,14 @@ def match_class(n: int) -> int:
 
 
 def find_continuation(context: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
-    """Up to ``k`` tokens that followed the longest earlier occurrence (``min_n`` to
-    ``max_n`` tokens, the most recent of equals) of the context's suffix; empty when
-    there is none (:func:`find_match`, without the match's length)."""
+    """:func:`find_match`'s tokens, without the match's length."""
     return find_match(context, k, min_n, max_n)[0]
 
 
 def find_match(context: np.ndarray, k: int, min_n: int, max_n: int) -> tuple[np.ndarray, int]:
-    """:func:`find_continuation`'s tokens, and the length of the match they follow
-    (0 where there is none).
+    """Up to ``k`` tokens that followed the longest earlier occurrence (``min_n`` to
+    ``max_n`` tokens, the most recent of equals) of the context's suffix, and that
+    occurrence's length; empty and 0 when there is none.
 
     A continuation that reaches the end of the context repeats with the
     period of the match (``size - 1 - e``), as a repetition would go on.
@@ -198,9 +197,16 @@ class MatchAcceptance:
 
     def observe(self, key, reg: str, match: int, accepted: int, proposed: int) -> None:
         """A copy that followed a ``match``-token match: its token t (0-based) was tried
-        after a match of ``match + t`` tokens, as far as the target judged it."""
+        after a match of ``match + t`` tokens, as far as the target judged it. Each
+        class gets the copy's trials in one observation (its counts decay once a
+        copy, as a draft model's do, not once a token)."""
+        trials: dict[int, list[int]] = {}  # class -> [accepted, judged]
         for t in range(min(accepted + 1, proposed)):
-            self.by_class[match_class(match + t)].observe(key, reg, int(t < accepted), 1)
+            c = trials.setdefault(match_class(match + t), [0, 0])
+            c[0] += t < accepted
+            c[1] += 1
+        for cls, (ok, judged) in trials.items():
+            self.by_class[cls].observe(key, reg, ok, judged)
 
     def alpha(self, key, reg: str, match: int) -> float:
         return self.by_class[match_class(match)].alpha(key, reg)

@@ -786,3 +786,9 @@ def test_a_weak_lookup_tail_is_pre_drafted_from_where_it_parts_from_the_model():
     # a strong copy is pre-drafted from its end, as before
     be, d = first_step([17, 22, 7, 9, 9, 9], alpha_lookup=0.95)
     assert list(d.jobs[0].prefix) == [1, 2, 17, 22, 7, 9, 9, 9] and d.stats.hedged_roots == 0
+    # per-token α of the copy (as the proposer sends them): what counts is the tail's,
+    # from where it leaves the model's draft
+    be, d = first_step([17, 22, 7, 9, 9, 9], alpha_lookup=(0.1, 0.1, 0.1, 0.95, 0.95, 0.95))
+    assert list(d.jobs[0].prefix) == [1, 2, 17, 22, 7, 9, 9, 9] and d.stats.hedged_roots == 0
+    be, d = first_step([17, 22, 7, 9, 9, 9], alpha_lookup=(0.95, 0.95, 0.95, 0.4, 0.4, 0.4))
+    assert list(d.jobs[0].prefix) == [1, 2, 17, 22, 7] and d.stats.hedged_roots == 1

@@ -249,3 +249,5 @@ def test_per_token_alphas_of_a_copy():
     assert predraft_root(4, 2, 0.9, (0.1, 0.2, 0.9, 0.9), hedge=False) == \
         (4, pytest.approx(0.81 * 0.81))
     assert predraft_root(4, 2, 0.9, (0.9, 0.9, 0.3, 0.3))[0] == 2  # a weak tail: hedged
+    # weak first copied token, strong at the parting token: not hedged (α[agree], not α[0])
+    assert predraft_root(4, 2, 0.9, (0.1, 0.9, 0.9, 0.9))[0] == 4

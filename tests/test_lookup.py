@@ -85,7 +85,9 @@ def test_each_source_is_scored_served_or_not_and_finished_requests_are_forgotten
     assert lk.stats.served[LOOKUP] == 3 and lk.stats.accepted[LOOKUP] == 2
     assert lk.stats.served[MODEL] == 0
     a_l, a_m = lk.alpha(LOOKUP, "a", 0.0), lk.alpha(MODEL, "a", 0.0)
-    assert a_l > 0.4  # prior 0.4, then 2 of 3 trials (the 4th token never judged)
+    # no match length given: class 1 (prior 0.3) held tokens 1-2, both accepted; the
+    # 3rd (class 2) was rejected; the 4th never judged
+    assert a_l > 0.3 and lk.alpha(LOOKUP, "a", 0.0, match=2) < 0.4
     assert a_m < 0.7  # prior 0.7, then 1 of 2 trials (4 rejected)
     lk.observe(["b"], [ctx(1, 2)])  # "a" finished
     assert lk.alpha(LOOKUP, "a", 0.0) == pytest.approx(
@@ -131,7 +133,9 @@ def test_a_copy_is_judged_token_by_token_as_its_match_grows():
     assert trials[2] == [1.0, 1.0] and trials[3] == [1.0, 1.0]
     assert trials[4] == [0.0, 1.0] and trials[6] is None  # the 4th token never judged
     m.observe("b", "greedy", 6, 3, 3)  # all accepted: three successes, no failure
-    assert m.by_class[6]._requests["b"] == [pytest.approx(2.71), pytest.approx(2.71)]
+    assert m.by_class[6]._requests["b"] == [3.0, 3.0]  # one observation a copy
+    m.observe("b", "greedy", 6, 7, 8)  # 7 accepted then 1 rejected: 7 of 8, not biased
+    assert m.by_class[6]._requests["b"] == [pytest.approx(0.9 * 3 + 7), pytest.approx(0.9 * 3 + 8)]
     assert MatchAcceptance().alphas("c", "greedy", 2, 3) == tuple(
         LOOKUP_PRIOR[c]["greedy"] for c in (2, 3, 4))  # before any trial: the priors
 
