@@ -121,7 +121,7 @@ class ChannelServer:
         except (EOFError, OSError):
             return False
         except Exception as e:  # an answer that does not pickle: a bug, not a lost actor
-            conn.send((seq, False, f"{type(e).__name__}: {e}"))
+            return ChannelServer._answer(conn, seq, False, f"{type(e).__name__}: {e}")
         return True
 
     def close(self) -> None:
