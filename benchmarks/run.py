@@ -100,6 +100,8 @@ METHODS = {
                                        "budget": "auto", "draft_window": 0}),
     "duo-lend-fullctx": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
                                              "budget": "auto", "draft_window": 0}),
+    "duo-lend-w512": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
+                                          "budget": "auto", "draft_window": 512}),
     "spec-empty": dict(bind="0", spec={"model": "benchmarks.oracle.EmptyProposer",
                                        "num_speculative_tokens": K}),
     "plain-all-iomp": dict(bind="0-1", spec=None, iomp=True),

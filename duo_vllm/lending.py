@@ -142,10 +142,12 @@ class TargetThreads:
 ONEDNN_CACHE = 32
 
 
-def onednn_linears(model) -> list[tuple[Callable, int, object]]:
+def onednn_linears(model, by_bias: bool = False) -> list[tuple]:
     """One ``(linear, k, dtype)`` per weight shape among the layers that vLLM-CPU runs
     through oneDNN's matmul handler (``layer.cpu_linear`` calling ``onednn_mm``):
-    the layers of one shape share one primitive cache."""
+    the layers of one shape share one primitive cache. ``by_bias``: one
+    ``(linear, k, dtype, bias)`` per shape and bias or none, the bias a step passes
+    (the caches key it too)."""
     found = {}
     for layer in model.modules():
         linear = getattr(layer, "cpu_linear", None)
@@ -157,7 +159,13 @@ def onednn_linears(model) -> list[tuple[Callable, int, object]]:
         k, n = getattr(handler, "k", None), getattr(handler, "n", None)
         if k is None or n is None or weight is None:
             continue
-        found.setdefault((n, k, weight.dtype), (linear, k, weight.dtype))
+        if not by_bias:
+            found.setdefault((n, k, weight.dtype), (linear, k, weight.dtype))
+            continue
+        bias = getattr(layer, "bias", None)
+        if not hasattr(bias, "shape") or getattr(layer, "skip_bias_add", False):
+            bias = None
+        found.setdefault((n, k, weight.dtype, bias is None), (linear, k, weight.dtype, bias))
     return list(found.values())
 
 
@@ -179,14 +187,23 @@ class MatmulPrimitives:
     after drafting at batch 1 runs row counts drafting never made, and a row count
     first run lent keeps its primitive for every thread through drafting steps.
     Not the int8 layers (``onednn_scaled_mm``: their cache keys no row stride).
+
+    Every refresh, and the start, then makes the decode-sized shapes (1 to
+    ``warm_rows`` token rows, as the target's steps pass them) on every thread
+    (:meth:`warm`): a drafting step reuses them at one-thread speed, and a lent
+    step after it finds them made for every thread, so the steps the draft
+    leaves idle are lent without a refresh (one cost a batch-1 run three
+    refreshes, ~1 s, and kept a static batch's last request on one core).
     """
 
-    def __init__(self, model, capacity: int = ONEDNN_CACHE):
+    def __init__(self, model, capacity: int = ONEDNN_CACHE, warm_rows: int = ONEDNN_CACHE // 2):
         import torch
 
         self._torch = torch
         self.linears = onednn_linears(model)
+        self._warm = onednn_linears(model, by_bias=True)  # the keys a step makes, bias too
         self.capacity = capacity
+        self.warm_rows = min(warm_rows, capacity)
         self.refreshes = 0
         # the caches as the steps since the last refresh left them, an LRU like vLLM's:
         # token rows -> whether its primitive was made on every thread
@@ -213,10 +230,26 @@ class MatmulPrimitives:
         return refresh
 
     def refresh(self) -> None:
-        """Empty the caches now, on every thread (counted in ``refreshes``)."""
+        """Empty the caches now, on every thread, and make the decode-sized shapes anew
+        (counted in ``refreshes``). Called where the target runs on every thread."""
         self.evict()
         self.made.clear()
         self.refreshes += 1
+        self.warm()
+
+    def warm(self) -> None:
+        """Make the primitives of 1 to ``warm_rows`` token rows now, on this thread's
+        OpenMP threads (every thread: at the start and at a refresh): contiguous
+        inputs with each layer's bias, the keys the target's steps will look up."""
+        torch = self._torch
+        with torch.inference_mode():
+            for rows in range(1, self.warm_rows + 1):
+                for linear, k, dtype, bias in self._warm:
+                    linear(torch.zeros(rows, k, dtype=dtype), None, bias)
+                self.made[rows] = True
+                self.made.move_to_end(rows)
+        while len(self.made) > self.capacity:
+            self.made.popitem(last=False)
 
     def evict(self) -> None:
         torch = self._torch

@@ -766,9 +766,10 @@ class DuoProposer:
 
     def load_model(self, model=None, *args, **kwargs) -> None:
         """vLLM hook with the target model; the draft model is loaded by the actor at
-        construction. A target that lends cores remakes its oneDNN matmul primitives
-        after a lend (they run on the thread count they were first made for): before
-        the first lent step that would reuse one, else at the lend itself."""
+        construction. A target that lends cores makes its decode-sized oneDNN matmul
+        primitives for every thread here, and remakes them after a lend (they run on
+        the thread count they were first made for): before the first lent step that
+        would reuse one made on fewer, else at the lend itself."""
         if self._threads is None or model is None or not hasattr(model, "modules"):
             return
         try:
@@ -779,6 +780,7 @@ class DuoProposer:
                             "not remade at a lend")
                 return
             primitives.evict()  # oneDNN's first build of the evicting shapes: at start-up
+            primitives.warm()  # decode-sized shapes made for every thread (lent now)
         except Exception as e:  # vLLM's internals moved: lent steps may run slower
             logger.warning("DuoProposer: cannot reach the target's oneDNN matmuls (%s); "
                            "steps on lent cores may not use them", e)

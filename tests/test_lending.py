@@ -176,6 +176,37 @@ def test_a_row_count_first_run_lent_or_long_out_of_the_cache_needs_no_refresh():
     assert ops.made_for() == {2}
 
 
+def test_decode_sized_shapes_are_made_for_every_thread_so_lent_steps_need_no_refresh():
+    ops = FakeOps(capacity=8)
+    qkv = onednn_layer(ops, "qkv", 960, 576)
+    qkv.bias = torch.nn.Parameter(torch.zeros(960), requires_grad=False)  # Qwen's qkv
+    o = onednn_layer(ops, "o", 576, 576)
+    model = torch.nn.ModuleList([qkv, o, onednn_layer(ops, "q2", 960, 576)])
+    prims = MatmulPrimitives(model, capacity=8, warm_rows=4)
+    ops.threads = 2  # at load, or at a refresh: every thread
+    prims.warm()
+    # the keys a step makes: contiguous rows 1-4, with the layer's bias where it has one
+    assert set(ops.caches[(960, 576, torch.float32)]) == \
+        {(r, 576, b) for r in range(1, 5) for b in (True, False)}
+    assert set(ops.caches[(576, 576, torch.float32)]) == {(r, 576, False) for r in range(1, 5)}
+    assert ops.made_for() == {2} and list(prims.made) == [1, 2, 3, 4]
+
+    def step(rows, lent):
+        ops.threads = 2 if lent else 1
+        remade = prims.before_step(rows, lent)
+        for layer in model:
+            layer.cpu_linear(torch.zeros(rows, 576), None, getattr(layer, "bias", None))
+        return remade
+
+    for rows in (1, 3, 4, 2):  # drafting at batch 1, on one thread: the warm shapes
+        assert not step(rows, lent=False)
+    assert ops.made_for() == {2}  # ... reused, not made anew for one thread
+    assert not any(step(rows, lent=True) for rows in (1, 3, 4))  # lent: nothing to remake
+    assert not step(6, lent=False) and step(6, lent=True)  # a wider one made on one thread
+    assert prims.refreshes == 1 and ops.made_for() == {2}
+    assert all(prims.made[r] for r in range(1, 5))  # the refresh made them again
+
+
 def test_one_row_inputs_would_not_evict_them():
     """Why the refresh uses two rows: reshape drops a one-row input's stride."""
     ops = FakeOps(capacity=4)
@@ -309,18 +340,29 @@ def test_an_idle_draft_side_lends_only_where_no_matmul_would_need_remaking(clock
     w = IdleWorker(drafts=[[7, 8]])
     p, calls = lending(w)
     p._hooked = True
+    ops.threads = 2  # vLLM's worker at load: every thread of the binding
     p.load_model(torch.nn.ModuleList([onednn_layer(ops, "q", 960, 576)]))
+    cache = ops.caches[(960, 576, torch.float32)]
+    # decode-sized steps (1-16 token rows) were made at load, for every thread
+    assert all(cache[(r, 576, False)] == 2 for r in range(1, 17))
+    p._primitives.warm_rows = 2  # (as if only 1-2 rows had been made for every thread)
+    for r in range(3, 17):
+        del p._primitives.made[r], cache[(r, 576, False)]
     p.gate.drafting = lambda b, sampled, key=None: True
     p._lend(False)
+    ops.threads = 1
     p.before_step(3)  # a drafting step of one request and 2 draft tokens, on one thread
+    p._primitives._warm[0][0](torch.zeros(3, 576), None, None)
     sampled, n, ids = inputs([[1, 2]])
     assert p.propose(sampled, n, ids) == [[7, 8]]  # idle, but 3 rows were made on one thread
     assert not p._threads.lent
     w.drafts = [[7]]
-    p.propose(sampled, n, ids)  # 2 rows: none made yet, lent
+    p.before_step(2)  # a drafting step of 2 rows: reuses the one made for every thread
+    p.propose(sampled, n, ids)  # 2 rows, made for every thread: lent, nothing remade
     assert p._threads.lent
     p.before_step(2)
     assert p._primitives.refreshes == 0 and p._primitives.made[2] is True
+    assert cache[(2, 576, False)] == 2
     # new prompts the draft prefills beside the target's prefill: the draft's cores
     p._prefetch, p.gate.mode = True, lambda b, sampled, key=None: True
     p.on_new_requests([SimpleNamespace(prompt_token_ids=[1, 2, 3],
@@ -436,7 +478,8 @@ def test_with_the_step_hook_a_lending_proposer_remakes_before_the_step_that_need
     assert p._threads.on_lend is None  # not at each lend
     refreshes = p._primitives.refreshes
     p._lend(False)
-    p.before_step(5)  # a drafting step of 5 token rows
+    p.before_step(5)  # a drafting step of 5 token rows: made for every thread at load
+    p.before_step(20)  # ... and one of 20 (4 requests, 4 draft tokens each): on one thread
     p._lend(True)
     p.before_step(64)  # lent, a wide step: nothing drafting made
     assert p._primitives.refreshes == refreshes
@@ -448,11 +491,13 @@ def test_with_the_step_hook_a_lending_proposer_remakes_before_the_step_that_need
         clock.now += 0.007
 
     p._primitives.refresh = slow_refresh
-    p.before_step(5)  # lent, a row count drafting made: remade first
+    p.before_step(5)  # lent, a row count made at load for every thread: nothing to remake
+    assert p._primitives.refreshes == refreshes
+    p.before_step(20)  # lent, a row count drafting made on one thread: remade first
     assert p._primitives.refreshes == refreshes + 1 and calls == [1, 2]
     assert p._started_at == pytest.approx(1.007)  # no part of the step's time
     p._primitives.before_step = None  # vLLM's internals moved under us: stops, says so
-    p.before_step(5)
+    p.before_step(20)
     assert not p._remaking
 
 
