@@ -24,11 +24,14 @@ would run such a shape.
 from __future__ import annotations
 
 import inspect
+import logging
 import re
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Callable
 
 from .host import parse_cpu_list
+
+logger = logging.getLogger(__name__)
 
 
 def bind_order(environ) -> list[int] | None:
@@ -142,13 +145,9 @@ class TargetThreads:
 ONEDNN_CACHE = 32
 
 
-def onednn_linears(model, by_bias: bool = False) -> list[tuple]:
-    """One ``(linear, k, dtype)`` per weight shape among the layers that vLLM-CPU runs
-    through oneDNN's matmul handler (``layer.cpu_linear`` calling ``onednn_mm``):
-    the layers of one shape share one primitive cache. ``by_bias``: one
-    ``(linear, k, dtype, bias)`` per shape and bias or none, the bias a step passes
-    (the caches key it too)."""
-    found = {}
+def _onednn_layers(model):
+    """``(n, k, dtype, linear, layer)`` for each layer that vLLM-CPU runs through
+    oneDNN's matmul handler (``layer.cpu_linear`` calling ``onednn_mm``)."""
     for layer in model.modules():
         linear = getattr(layer, "cpu_linear", None)
         code = getattr(linear, "__code__", None)
@@ -159,14 +158,39 @@ def onednn_linears(model, by_bias: bool = False) -> list[tuple]:
         k, n = getattr(handler, "k", None), getattr(handler, "n", None)
         if k is None or n is None or weight is None:
             continue
+        yield n, k, weight.dtype, linear, layer
+
+
+def _step_bias(layer):
+    """The bias a step passes the layer's matmul (vLLM's linear layers: none where
+    the caller adds it)."""
+    bias = getattr(layer, "bias", None)
+    if not hasattr(bias, "shape") or getattr(layer, "skip_bias_add", False):
+        return None
+    return bias
+
+
+def onednn_linears(model, by_bias: bool = False) -> list[tuple]:
+    """One ``(linear, k, dtype)`` per weight shape among the layers that vLLM-CPU runs
+    through oneDNN's matmul handler: the layers of one shape share one primitive
+    cache. ``by_bias``: one ``(linear, k, dtype, bias)`` per shape and bias or none,
+    the bias a step passes (the caches key it too)."""
+    found = {}
+    for n, k, dtype, linear, layer in _onednn_layers(model):
         if not by_bias:
-            found.setdefault((n, k, weight.dtype), (linear, k, weight.dtype))
+            found.setdefault((n, k, dtype), (linear, k, dtype))
             continue
-        bias = getattr(layer, "bias", None)
-        if not hasattr(bias, "shape") or getattr(layer, "skip_bias_add", False):
-            bias = None
-        found.setdefault((n, k, weight.dtype, bias is None), (linear, k, weight.dtype, bias))
+        bias = _step_bias(layer)
+        found.setdefault((n, k, dtype, bias is None), (linear, k, dtype, bias))
     return list(found.values())
+
+
+def bias_variants(model) -> int:
+    """The most cache entries one step makes per row count in one shape's cache (its
+    layers with a bias and without: 1 or 2)."""
+    keys = {(n, k, dtype, _step_bias(layer) is None)
+            for n, k, dtype, _, layer in _onednn_layers(model)}
+    return max(Counter(key[:3] for key in keys).values(), default=1)
 
 
 class MatmulPrimitives:
@@ -193,7 +217,10 @@ class MatmulPrimitives:
     (:meth:`warm`): a drafting step reuses them at one-thread speed, and a lent
     step after it finds them made for every thread, so the steps the draft
     leaves idle are lent without a refresh (one cost a batch-1 run three
-    refreshes, ~1 s, and kept a static batch's last request on one core).
+    refreshes, ~1 s). With the step hook only: without it every lend refreshes.
+    A step makes one entry per bias variant of a shape, so where layers of one
+    shape differ in having a bias the caches hold half the row counts
+    (``rows_held``), and half of those are made up front.
     """
 
     def __init__(self, model, capacity: int = ONEDNN_CACHE, warm_rows: int = ONEDNN_CACHE // 2):
@@ -203,7 +230,10 @@ class MatmulPrimitives:
         self.linears = onednn_linears(model)
         self._warm = onednn_linears(model, by_bias=True)  # the keys a step makes, bias too
         self.capacity = capacity
-        self.warm_rows = min(warm_rows, capacity)
+        # the row counts the caches hold: a step makes one entry per bias variant
+        self.rows_held = capacity // bias_variants(model)
+        # half of them made up front: room for the steps' other shapes
+        self.warm_rows = min(warm_rows, self.rows_held // 2)
         self.refreshes = 0
         # the caches as the steps since the last refresh left them, an LRU like vLLM's:
         # token rows -> whether its primitive was made on every thread
@@ -225,7 +255,7 @@ class MatmulPrimitives:
             self.made.move_to_end(rows)
         else:
             self.made[rows] = lent
-            while len(self.made) > self.capacity:
+            while len(self.made) > self.rows_held:
                 self.made.popitem(last=False)
         return refresh
 
@@ -239,16 +269,24 @@ class MatmulPrimitives:
 
     def warm(self) -> None:
         """Make the primitives of 1 to ``warm_rows`` token rows now, on this thread's
-        OpenMP threads (every thread: at the start and at a refresh): contiguous
-        inputs with each layer's bias, the keys the target's steps will look up."""
+        OpenMP threads: contiguous inputs with each layer's bias, the keys the
+        target's steps will look up. Only right after :meth:`evict` (at the start and
+        in :meth:`refresh`, on every thread): a row count still cached keeps the
+        primitive it had. If a call fails, the warm-up stops for good (logged) and
+        the eviction alone goes on."""
         torch = self._torch
-        with torch.inference_mode():
-            for rows in range(1, self.warm_rows + 1):
-                for linear, k, dtype, bias in self._warm:
-                    linear(torch.zeros(rows, k, dtype=dtype), None, bias)
-                self.made[rows] = True
-                self.made.move_to_end(rows)
-        while len(self.made) > self.capacity:
+        try:
+            with torch.inference_mode():
+                for rows in range(1, self.warm_rows + 1):
+                    for linear, k, dtype, bias in self._warm:
+                        linear(torch.zeros(rows, k, dtype=dtype), None, bias)
+                    self.made[rows] = True
+                    self.made.move_to_end(rows)
+        except Exception as e:  # vLLM's internals moved: lent steps remake as before
+            logger.warning("DuoProposer: making the target's decode-sized oneDNN matmuls "
+                           "for every thread failed (%s); no longer tried", e)
+            self.warm_rows, self._warm = 0, []
+        while len(self.made) > self.rows_held:
             self.made.popitem(last=False)
 
     def evict(self) -> None:

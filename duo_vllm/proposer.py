@@ -24,7 +24,8 @@ from .config import DuoConfig, DuoConfigError, allowed_cpus, resolve_draft_cores
 from .delta import DeltaSender
 from .drafts_out import attach_drafts
 from .gate import DraftGate, LookupGate
-from .lending import MatmulPrimitives, TargetThreads, bind_order, lend_plan, lend_prefill
+from .lending import (ONEDNN_CACHE, MatmulPrimitives, TargetThreads, bind_order, lend_plan,
+                      lend_prefill)
 from .goodput import StepTimeModel
 from .lookup import LOOKUP, MODEL, ContextLookup, Hint, serve
 from .models import ModelNotFoundError, default_draft_gguf
@@ -394,7 +395,7 @@ class DuoProposer:
         this step (``idle``: no pre-draft, no prefill; say, a request it holds
         nothing of, too far behind to catch up, or one where no draft pays): its cores
         are lent for the step. Not where that step's row count ran on fewer threads
-        (a full-width step would need the oneDNN matmuls remade first, 0.3-0.4 s),
+        (a full-width step would need the oneDNN matmuls remade first, 0.35-0.45 s),
         nor where it cannot be told (a partial prefill in the step)."""
         if not idle or partial:
             return False
@@ -773,7 +774,9 @@ class DuoProposer:
         if self._threads is None or model is None or not hasattr(model, "modules"):
             return
         try:
-            primitives = MatmulPrimitives(model)
+            # the decode-sized shapes are made up front where the step hook tells which
+            # steps need a refresh (without it, every lend refreshes)
+            primitives = MatmulPrimitives(model, warm_rows=ONEDNN_CACHE // 2 if self._hooked else 0)
             if primitives.linears and onednn_acl():
                 # oneDNN on Arm's ACL re-packs the weights for each new input layout
                 logger.info("DuoProposer: vLLM's oneDNN runs on Arm's ACL: its matmuls are "

@@ -11,8 +11,8 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from duo_vllm.lending import (ONEDNN_CACHE, MatmulPrimitives, TargetThreads, bind_order,
-                              lend_plan, lend_prefill, onednn_linears)
+from duo_vllm.lending import (ONEDNN_CACHE, MatmulPrimitives, TargetThreads, bias_variants,
+                              bind_order, lend_plan, lend_prefill, onednn_linears)
 from tests.test_proposer_steps import FakeWorker, bare, clock, inputs  # noqa: F401
 
 
@@ -177,12 +177,15 @@ def test_a_row_count_first_run_lent_or_long_out_of_the_cache_needs_no_refresh():
 
 
 def test_decode_sized_shapes_are_made_for_every_thread_so_lent_steps_need_no_refresh():
-    ops = FakeOps(capacity=8)
+    ops = FakeOps(capacity=16)
     qkv = onednn_layer(ops, "qkv", 960, 576)
     qkv.bias = torch.nn.Parameter(torch.zeros(960), requires_grad=False)  # Qwen's qkv
     o = onednn_layer(ops, "o", 576, 576)
     model = torch.nn.ModuleList([qkv, o, onednn_layer(ops, "q2", 960, 576)])
-    prims = MatmulPrimitives(model, capacity=8, warm_rows=4)
+    prims = MatmulPrimitives(model, capacity=16, warm_rows=16)
+    # a step makes two entries per row count in the (960, 576) cache (with and without
+    # a bias): it holds 8 row counts, and half of them are made up front
+    assert bias_variants(model) == 2 and prims.rows_held == 8 and prims.warm_rows == 4
     ops.threads = 2  # at load, or at a refresh: every thread
     prims.warm()
     # the keys a step makes: contiguous rows 1-4, with the layer's bias where it has one
@@ -205,6 +208,34 @@ def test_decode_sized_shapes_are_made_for_every_thread_so_lent_steps_need_no_ref
     assert not step(6, lent=False) and step(6, lent=True)  # a wider one made on one thread
     assert prims.refreshes == 1 and ops.made_for() == {2}
     assert all(prims.made[r] for r in range(1, 5))  # the refresh made them again
+    # wider drafting steps push row 1 out of the caches (two entries a step): the model
+    # drops it too, so when drafting makes it anew on one thread, the lent step remakes it
+    for rows in (5, 7, 8, 9, 10, 2, 3, 4):
+        assert not step(rows, lent=False)
+    assert (1, 576, True) not in ops.caches[(960, 576, torch.float32)] and 1 not in prims.made
+    assert not step(1, lent=False) and prims.needs_refresh(1)
+    assert step(1, lent=True) and prims.refreshes == 2 and ops.made_for() == {2}
+
+
+def test_a_warm_up_that_fails_stops_and_leaves_the_eviction(caplog):
+    ops = FakeOps(capacity=8)
+    model = torch.nn.ModuleList([onednn_layer(ops, "q", 960, 576)])
+    prims = MatmulPrimitives(model, capacity=8)
+    real = ops.onednn_mm
+
+    def fails_on_contiguous(handler, x, bias):
+        if x.is_contiguous():
+            raise RuntimeError("no such key")
+        return real(handler, x, bias)
+
+    ops.onednn_mm = fails_on_contiguous
+    prims.refresh()  # the eviction runs; the warm-up fails, says so, and stops
+    assert prims.refreshes == 1 and prims.warm_rows == 0 and not prims.made
+    assert "decode-sized oneDNN matmuls" in caplog.text
+    ops.onednn_mm = real
+    ops.threads = 1
+    assert not prims.before_step(3, lent=False)  # the model still tracks the steps
+    assert prims.before_step(3, lent=True) and prims.refreshes == 2
 
 
 def test_one_row_inputs_would_not_evict_them():
@@ -458,6 +489,8 @@ def test_a_lending_proposer_remakes_the_targets_matmuls_at_each_lend_and_stops_i
     p._lend(True)
     assert calls == [1, 2] and p.stats()["matmul_remakes"] == 1 and ops.calls
     assert ops.made_for() == {1}  # the eviction at load (FakeOps makes for 1 thread)
+    # without the step hook every lend refreshes: nothing is made up front
+    assert p._primitives.warm_rows == 0 and not p._primitives.made
     # vLLM's internals moved under us: the step goes on, the remaking stops, and says so
     ops.onednn_mm = None
     p._lend(False)
