@@ -170,27 +170,40 @@ def _step_bias(layer):
     return bias
 
 
-def onednn_linears(model, by_bias: bool = False) -> list[tuple]:
-    """One ``(linear, k, dtype)`` per weight shape among the layers that vLLM-CPU runs
-    through oneDNN's matmul handler: the layers of one shape share one primitive
-    cache. ``by_bias``: one ``(linear, k, dtype, bias)`` per shape and bias or none,
-    the bias a step passes (the caches key it too)."""
+def onednn_keys(model) -> dict[tuple, tuple]:
+    """The layers vLLM-CPU runs through oneDNN's matmul handler, one per cache key a
+    step makes (less its rows): ``(n, k, dtype, has a bias) -> (linear, k, dtype,
+    the bias a step passes)``, the first layer of each."""
     found = {}
     for n, k, dtype, linear, layer in _onednn_layers(model):
-        if not by_bias:
-            found.setdefault((n, k, dtype), (linear, k, dtype))
-            continue
         bias = _step_bias(layer)
-        found.setdefault((n, k, dtype, bias is None), (linear, k, dtype, bias))
+        found.setdefault((n, k, dtype, bias is not None), (linear, k, dtype, bias))
+    return found
+
+
+def per_shape(keys: dict[tuple, tuple]) -> list[tuple]:
+    """One ``(linear, k, dtype)`` per weight shape of :func:`onednn_keys`: the layers of
+    one shape share one primitive cache."""
+    found = {}
+    for (n, k, dtype, _), (linear, *_) in keys.items():
+        found.setdefault((n, k, dtype), (linear, k, dtype))
     return list(found.values())
 
 
-def bias_variants(model) -> int:
+def onednn_linears(model) -> list[tuple]:
+    """One ``(linear, k, dtype)`` per weight shape among the layers that vLLM-CPU runs
+    through oneDNN's matmul handler (``layer.cpu_linear`` calling ``onednn_mm``)."""
+    return per_shape(onednn_keys(model))
+
+
+def bias_variants(keys: dict[tuple, tuple]) -> int:
     """The most cache entries one step makes per row count in one shape's cache (its
-    layers with a bias and without: 1 or 2)."""
-    keys = {(n, k, dtype, _step_bias(layer) is None)
-            for n, k, dtype, _, layer in _onednn_layers(model)}
+    layers with a bias and without: 1 or 2), of :func:`onednn_keys`."""
     return max(Counter(key[:3] for key in keys).values(), default=1)
+
+
+# the decode-sized row counts made for every thread up front (MatmulPrimitives.warm)
+WARM_ROWS = ONEDNN_CACHE // 2
 
 
 class MatmulPrimitives:
@@ -223,15 +236,16 @@ class MatmulPrimitives:
     (``rows_held``), and half of those are made up front.
     """
 
-    def __init__(self, model, capacity: int = ONEDNN_CACHE, warm_rows: int = ONEDNN_CACHE // 2):
+    def __init__(self, model, capacity: int = ONEDNN_CACHE, warm_rows: int = WARM_ROWS):
         import torch
 
         self._torch = torch
-        self.linears = onednn_linears(model)
-        self._warm = onednn_linears(model, by_bias=True)  # the keys a step makes, bias too
+        keys = onednn_keys(model)
+        self.linears = per_shape(keys)
+        self._warm = list(keys.values())  # the keys a step makes, bias or none
         self.capacity = capacity
         # the row counts the caches hold: a step makes one entry per bias variant
-        self.rows_held = capacity // bias_variants(model)
+        self.rows_held = capacity // bias_variants(keys)
         # half of them made up front: room for the steps' other shapes
         self.warm_rows = min(warm_rows, self.rows_held // 2)
         self.refreshes = 0
@@ -277,17 +291,14 @@ class MatmulPrimitives:
         torch = self._torch
         try:
             with torch.inference_mode():
-                for rows in range(1, self.warm_rows + 1):
+                for rows in range(1, self.warm_rows + 1):  # within rows_held
                     for linear, k, dtype, bias in self._warm:
                         linear(torch.zeros(rows, k, dtype=dtype), None, bias)
                     self.made[rows] = True
-                    self.made.move_to_end(rows)
         except Exception as e:  # vLLM's internals moved: lent steps remake as before
             logger.warning("DuoProposer: making the target's decode-sized oneDNN matmuls "
                            "for every thread failed (%s); no longer tried", e)
             self.warm_rows, self._warm = 0, []
-        while len(self.made) > self.rows_held:
-            self.made.popitem(last=False)
 
     def evict(self) -> None:
         torch = self._torch

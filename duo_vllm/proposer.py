@@ -24,7 +24,7 @@ from .config import DuoConfig, DuoConfigError, allowed_cpus, resolve_draft_cores
 from .delta import DeltaSender
 from .drafts_out import attach_drafts
 from .gate import DraftGate, LookupGate
-from .lending import (ONEDNN_CACHE, MatmulPrimitives, TargetThreads, bind_order, lend_plan,
+from .lending import (WARM_ROWS, MatmulPrimitives, TargetThreads, bind_order, lend_plan,
                       lend_prefill)
 from .goodput import StepTimeModel
 from .lookup import LOOKUP, MODEL, ContextLookup, Hint, serve
@@ -776,7 +776,7 @@ class DuoProposer:
         try:
             # the decode-sized shapes are made up front where the step hook tells which
             # steps need a refresh (without it, every lend refreshes)
-            primitives = MatmulPrimitives(model, warm_rows=ONEDNN_CACHE // 2 if self._hooked else 0)
+            primitives = MatmulPrimitives(model, warm_rows=WARM_ROWS if self._hooked else 0)
             if primitives.linears and onednn_acl():
                 # oneDNN on Arm's ACL re-packs the weights for each new input layout
                 logger.info("DuoProposer: vLLM's oneDNN runs on Arm's ACL: its matmuls are "

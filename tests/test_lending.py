@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from duo_vllm.lending import (ONEDNN_CACHE, MatmulPrimitives, TargetThreads, bias_variants,
-                              bind_order, lend_plan, lend_prefill, onednn_linears)
+                              bind_order, lend_plan, lend_prefill, onednn_keys, onednn_linears)
 from tests.test_proposer_steps import FakeWorker, bare, clock, inputs  # noqa: F401
 
 
@@ -185,7 +185,7 @@ def test_decode_sized_shapes_are_made_for_every_thread_so_lent_steps_need_no_ref
     prims = MatmulPrimitives(model, capacity=16, warm_rows=16)
     # a step makes two entries per row count in the (960, 576) cache (with and without
     # a bias): it holds 8 row counts, and half of them are made up front
-    assert bias_variants(model) == 2 and prims.rows_held == 8 and prims.warm_rows == 4
+    assert bias_variants(onednn_keys(model)) == 2 and prims.rows_held == 8 and prims.warm_rows == 4
     ops.threads = 2  # at load, or at a refresh: every thread
     prims.warm()
     # the keys a step makes: contiguous rows 1-4, with the layer's bias where it has one
@@ -372,7 +372,8 @@ def test_an_idle_draft_side_lends_only_where_no_matmul_would_need_remaking(clock
     p, calls = lending(w)
     p._hooked = True
     ops.threads = 2  # vLLM's worker at load: every thread of the binding
-    p.load_model(torch.nn.ModuleList([onednn_layer(ops, "q", 960, 576)]))
+    layer = onednn_layer(ops, "q", 960, 576)
+    p.load_model(torch.nn.ModuleList([layer]))
     cache = ops.caches[(960, 576, torch.float32)]
     # decode-sized steps (1-16 token rows) were made at load, for every thread
     assert all(cache[(r, 576, False)] == 2 for r in range(1, 17))
@@ -383,7 +384,7 @@ def test_an_idle_draft_side_lends_only_where_no_matmul_would_need_remaking(clock
     p._lend(False)
     ops.threads = 1
     p.before_step(3)  # a drafting step of one request and 2 draft tokens, on one thread
-    p._primitives._warm[0][0](torch.zeros(3, 576), None, None)
+    layer.cpu_linear(torch.zeros(3, 576), None, None)  # its matmul, made on one thread
     sampled, n, ids = inputs([[1, 2]])
     assert p.propose(sampled, n, ids) == [[7, 8]]  # idle, but 3 rows were made on one thread
     assert not p._threads.lent
