@@ -98,7 +98,7 @@ def rounds(args) -> dict:
     if any(arm in ARMS for arm in args.arms):
         duo = LLM(**common, speculative_config=method_spec(
             "duo-full", target, default_draft_gguf(), args.k, args.lookup_k))
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     for llm in [*engines.values(), duo]:  # warm-up, not counted
         if llm is not None:
             llm.generate(prompts[:1], params, use_tqdm=False)

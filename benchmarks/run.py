@@ -211,10 +211,12 @@ def worker(req_path: str, out_path: str) -> None:
     is_duo = bool(req["spec"]) and req["spec"].get("model") == "duo_vllm.DuoProposer"
     prompts, tasks = req["prompts"], req["tasks"]
 
-    def params(temperature, seed):
-        return SamplingParams(temperature=temperature, max_tokens=req["max_tokens"], seed=seed)
+    def params(temperature):
+        # no seed: DuoProposer leaves a seeded sampled request undrafted, to keep its
+        # tokens reproducible (draft_seeded); sampled traffic is mostly unseeded
+        return SamplingParams(temperature=temperature, max_tokens=req["max_tokens"])
 
-    llm.generate(prompts[:1], params(0.0, 0), use_tqdm=False)  # warm-up, not counted
+    llm.generate(prompts[:1], params(0.0), use_tqdm=False)  # warm-up, not counted
     shapes = []
     work = sum((len(prompts) if s["batch"] == 1 else 1) * req["repeats"] for s in req["shapes"])
     bar = tqdm(total=work, desc=req["name"], unit="gen", file=sys.stderr, mininterval=5)
@@ -224,7 +226,7 @@ def worker(req_path: str, out_path: str) -> None:
         rows = []
         for rep in range(req["repeats"]):
             if batch == "staggered":
-                rows.append(staggered(llm, prompts, shape, params(temp, None), rep))
+                rows.append(staggered(llm, prompts, shape, params(temp), rep))
                 bar.update()
             elif batch == 1:
                 for j, prompt in enumerate(prompts):
@@ -234,11 +236,11 @@ def worker(req_path: str, out_path: str) -> None:
                     steps = None
                     t0 = time.perf_counter()
                     if req.get("timeline"):
-                        outs, steps = stepped(llm, [prompt], [params(temp, 1000 * rep + j)],
+                        outs, steps = stepped(llm, [prompt], [params(temp)],
                                               f"r{rep}-{j}")
                         out = outs[0]
                     else:
-                        out = llm.generate([prompt], params(temp, 1000 * rep + j),
+                        out = llm.generate([prompt], params(temp),
                                            use_tqdm=False)[0]
                     dt = time.perf_counter() - t0
                     m = getattr(out, "metrics", None)
@@ -254,7 +256,7 @@ def worker(req_path: str, out_path: str) -> None:
             else:
                 idx = [i % len(prompts) for i in range(batch)]
                 batch_prompts = [prompts[i] for i in idx]
-                batch_params = [params(temp, 1000 * rep + i) for i in range(batch)]
+                batch_params = [params(temp)] * batch
                 t0 = time.perf_counter()
                 if req.get("timeline"):
                     outs, steps = stepped(llm, batch_prompts, batch_params, f"b{rep}")

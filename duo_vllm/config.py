@@ -132,6 +132,13 @@ class DuoConfig:
             (``duo_vllm/sampling.py``); exact either way. ``False``: the
             draft's argmax, as for greedy requests. Off by itself where this
             vLLM cannot take draft probabilities from a custom proposer.
+        draft_seeded: Draft for sampled requests that carry a seed
+            (``SamplingParams.seed``). ``False`` (the default): they decode
+            without drafts, so a seed gives the same tokens run after run, those
+            plain vLLM gives with that seed (the rejection sampler draws from a
+            request's generator once per draft token, and how many tokens a step
+            drafts depends on timing). ``True``: drafted like the others; the
+            output keeps the target's distribution but not its exact tokens.
         draft_gpu_layers: Layers of the draft llama.cpp may offload to a GPU.
             0 (the default) keeps the draft on the CPU and hides the GPUs from
             the draft actor, whatever llama.cpp build is installed: a GPU build
@@ -166,6 +173,7 @@ class DuoConfig:
     lookup: bool = True
     lend_cores: bool = True
     sampled_drafts: bool = True
+    draft_seeded: bool = False
     lookup_min: int = 2
     lookup_max: int = 8
     vllm_limits: dict[str, Any] | None = None
@@ -202,7 +210,7 @@ class DuoConfig:
                                  f"lookup_min <= lookup_max, got {self.lookup_min!r}, "
                                  f"{self.lookup_max!r}")
         for name in ("use_actor", "parallel", "multi_sequence", "gate", "lookup",
-                     "lend_cores", "sampled_drafts"):
+                     "lend_cores", "sampled_drafts", "draft_seeded"):
             if not isinstance(getattr(self, name), bool):
                 raise DuoConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.budget != "auto" and (isinstance(self.budget, bool)

@@ -259,6 +259,7 @@ class DuoProposer:
         self.draft_prob_rows: list[int] = []  # the rows of take_last_draft_probs()'s answer
         self.drawn_tokens = 0  # draft tokens served with their q (sampled drafts)
         self.lent_prefills = 0  # prefill steps lent rather than shared (lend_prefill)
+        self.seeded_rows = 0  # rows decoded without drafts: seeded sampled requests
         # what the draft sees of a prompt (as DuoDrafter's pool)
         self._window = pool_window(self.config.draft_window, self.config.n_ctx)
 
@@ -343,6 +344,18 @@ class DuoProposer:
             budgets.append(min(self.k, room))
             lookup_caps.append(min(self.k_lookup, room))
         self._observe_step(rows, num_tokens_no_spec, skip=partial)
+        seeded = self._seeded(rows)
+        if seeded:  # decoded as plain vLLM would (a seed gives the same tokens every run)
+            if not self.seeded_rows:
+                logger.info("DuoProposer: sampled requests with a seed decode without drafts, "
+                            "so that a seed gives the same tokens every run (draft_seeded: "
+                            "true drafts them)")
+            self.seeded_rows += len(seeded)
+            keep = [j for j, i in enumerate(rows) if i not in seeded]
+            rows, contexts, budgets, lookup_caps = (
+                [x[j] for j in keep] for x in (rows, contexts, budgets, lookup_caps))
+            if not rows and not partial:
+                self._prefill_lent()  # no draft work: the draft's cores go to the target
         if not rows:
             self._returned_at = None
             return drafts
@@ -526,6 +539,19 @@ class DuoProposer:
                        max(0, int(limit) - (int(num_tokens_no_spec[i]) - int(prompt))))
         return out
 
+    def _seeded(self, rows: list[int]) -> set[int]:
+        """The rows that sample with a seed of their own (vLLM's input batch keeps a
+        generator for each), unless ``draft_seeded``: they get no drafts, so that
+        their output is reproducible (vLLM's rejection sampler draws from the
+        generator once per draft token, and how many tokens a step drafts depends
+        on timing; a step without drafts draws as plain decoding does)."""
+        batch = getattr(self._runner, "input_batch", None)
+        generators = getattr(batch, "generators", None)
+        if self.config.draft_seeded or not generators:
+            return set()
+        temps = getattr(batch, "temperature_cpu", None)
+        return {i for i in rows if i in generators and (temps is None or float(temps[i]) > 1e-5)}
+
     def _temperatures(self, rows: list[int]) -> list[float] | None:
         temps = getattr(getattr(self._runner, "input_batch", None), "temperature_cpu", None)
         if temps is None:
@@ -556,6 +582,9 @@ class DuoProposer:
         self._new_requests = True
         if self._passive or not self._prefetch or self._failed or self._held:
             return
+        new_reqs = [r for r in new_reqs if not self._seeded_request(r)]
+        if not new_reqs:  # none the draft will see (seeded: decoded without drafts)
+            return
         if self._gated and self._runner is not None and not self._will_draft(new_reqs, batch):
             # the gate keeps drafting off at the batch size they make: no draft work, and
             # a lending target prefills them on the draft's cores too
@@ -579,8 +608,14 @@ class DuoProposer:
         if sent:  # the draft prefills them beside the target's prefill, on its own cores
             self._lend(False)
 
+    def _seeded_request(self, req) -> bool:
+        """A new request that will get no drafts (:meth:`_seeded`): nothing to prefill."""
+        params = getattr(req, "sampling_params", None)
+        return not self.config.draft_seeded and getattr(params, "seed", None) is not None \
+            and (getattr(params, "temperature", 0.0) or 0.0) > 1e-5
+
     def _prefill_lent(self) -> None:
-        """The step's prefill runs on the draft's cores too, the draft's background
+        """The step (its prefill) runs on the draft's cores too, the draft's background
         work dropped first (a lending target; nothing to do when already lent)."""
         if self._threads is not None and not self._threads.lent:
             self._pause_draft()
@@ -722,6 +757,7 @@ class DuoProposer:
             "lend_switches": self._threads.switches if self._threads else 0,
             "lent_steps": self._threads.lent_steps if self._threads else 0,
             "lent_prefills": self.lent_prefills,
+            "seeded_rows": self.seeded_rows,
             "matmul_remakes": self._primitives.refreshes if self._primitives else 0,
             "target_step_ms_by_batch": {
                 b: 1e3 * self.step_time.cost(b).t0 for b in self.step_time.batch_sizes()},

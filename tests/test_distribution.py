@@ -76,11 +76,13 @@ def plain_samples(session_tmp, target_dir):
 # takes), and on a miss drafts a chain while vLLM waits, as "serial" does: the
 # test runs it and checks that both kinds of drafts were served. Both draw the
 # drafts from the draft's q and hand q to the rejection sampler
-# (duo_vllm/sampling.py); the lossy control's drafts are drawn too.
+# (duo_vllm/sampling.py); the lossy control's drafts are drawn too. The requests
+# carry seeds (fixed draws): ``draft_seeded`` drafts them (by default a seeded
+# sampled request decodes without drafts, tests/test_serve.py).
 MODES = {
-    "serial": {"parallel": False, "budget": 4, "propose_timeout_s": 120},
+    "serial": {"parallel": False, "budget": 4, "propose_timeout_s": 120, "draft_seeded": True},
     "parallel": {"parallel": True, "multi_sequence": True, "budget": 4,
-                 "propose_timeout_s": 120},
+                 "propose_timeout_s": 120, "draft_seeded": True},
 }
 
 

@@ -550,3 +550,30 @@ def test_the_remake_is_no_part_of_the_next_steps_time_for_the_gates(clock):
     clock.now, p._started_at = 1.0, 1.0  # the step under way started at 1.0
     p._lend(True)
     assert clock.now == pytest.approx(1.007) and p._started_at == pytest.approx(1.007)
+
+
+def test_a_step_of_seeded_sampled_requests_only_lends_and_asks_the_draft_nothing(clock):
+    # they decode without drafts (tests/test_proposer_steps.py): no prompt to prefetch,
+    # no call, and the draft's cores go to the target, its background work dropped first
+    class Pausing(FakeWorker):
+        pauses = 0
+
+        def pause(self, wait=False):
+            self.pauses += 1
+
+        def prefetch(self, prompts):
+            raise AssertionError("a seeded request's prompt was sent to the draft")
+
+    w = Pausing()
+    p, calls = lending(w)
+    p._gated, p._prefetch = False, True
+    p._runner.input_batch.temperature_cpu[0] = 0.7
+    sampled, n, ids = inputs([[1, 2]])
+    assert p.propose(sampled, n, ids) == [[1, 2, 3, 4]]  # unseeded: drafted
+    assert calls == [1] and len(w.calls) == 1  # on the draft's own core
+    p._runner.input_batch.generators = {0: torch.Generator()}
+    p.on_new_requests([SimpleNamespace(prompt_token_ids=[1, 2, 3], sampling_params=SimpleNamespace(
+        temperature=0.7, seed=3))], batch=1)
+    assert calls == [1] and w.pauses == 0
+    assert p.propose(sampled, n, ids) == [[]] and len(w.calls) == 1
+    assert calls == [1, 2] and w.pauses == 1

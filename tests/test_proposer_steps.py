@@ -474,3 +474,29 @@ def test_requests_with_structured_output_are_drafted_without_draws(clock):
     p.propose(sampled, n, ids)
     assert w.calls[-1]["temps"] == [0.0, pytest.approx(0.7), 0.0]
     assert p._sampled  # the gate still counts the step as sampled
+
+
+def test_seeded_sampled_requests_decode_without_drafts(clock):
+    # vLLM's rejection sampler draws from a seeded request's generator once per draft
+    # token, and how many a step drafts depends on timing: a seeded sampled request gets
+    # none, so its seed gives the same tokens every run (those of plain vLLM)
+    w = FakeWorker()
+    p = bare(w)
+    p._gated = False
+    gen = torch.Generator()
+    batch = SimpleNamespace(req_ids=["a", "b", "c"], generators={1: gen, 2: gen},
+                            temperature_cpu=np.array([0.7, 0.7, 0.0], dtype=np.float32))
+    p.attach_runner(SimpleNamespace(input_batch=batch))
+    sampled, n, ids = inputs([[1, 2], [3, 4, 5], [6, 7]])
+    drafts = p.propose(sampled, n, ids)
+    # b samples with a seed: not drafted, not even sent; c's seed draws nothing (greedy)
+    assert w.calls[-1]["contexts"] == [[1, 2], [6, 7]]
+    assert drafts[1] == [] and drafts[0] and drafts[2]
+    assert p.stats()["seeded_rows"] == 1
+    batch.temperature_cpu[2] = 0.9  # now both seeded rows sample: only a is drafted
+    drafts = p.propose(sampled, n, ids)
+    assert w.calls[-1]["contexts"] == [[1, 2]] and drafts[1] == drafts[2] == []
+    p.config = DuoConfig(use_actor=False, draft_seeded=True)  # drafted like the others
+    drafts = p.propose(sampled, n, ids)
+    assert len(w.calls[-1]["contexts"]) == 3 and all(drafts)
+

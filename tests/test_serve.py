@@ -28,6 +28,7 @@ pytestmark = pytest.mark.e2e
 MESSAGES = [{"role": "user", "content": "Give three tips for writing clear Python code."}]
 DRAFT_N_CTX = 512
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+DRAFTS = "vllm:spec_decode_num_drafts_total"
 
 
 def duo_serve() -> list[str]:
@@ -122,6 +123,24 @@ def test_sampling_options_keep_plain_output(servers, tokenizer):
     assert s1 == 200 and s2 == 400 and "logit_bias" in json.dumps(b2), b2
     assert duo.counter(ACCEPTED) > 0
 
+
+
+def test_a_seeded_sampled_request_gets_plain_vllms_tokens_every_run(servers):
+    """vLLM's rejection sampler draws from a seeded request's generator once per draft
+    token, and how many tokens a step drafts depends on timing: DuoProposer leaves a
+    seeded sampled request undrafted (``draft_seeded``), so its seed gives the tokens
+    plain vLLM gives, every time."""
+    plain, duo = servers
+    seeded = dict(max_tokens=48, temperature=0.9, seed=11)
+    want = plain.chat(MESSAGES, **seeded)["texts"]
+    assert _settled(duo)
+    time.sleep(1)  # the last request's step statistics are published
+    drafts = duo.counter(DRAFTS)
+    assert duo.chat(MESSAGES, **seeded)["texts"] == want
+    assert duo.chat(MESSAGES, stream=True, **seeded)["texts"] == want
+    assert duo.counter(DRAFTS) == drafts  # no draft was verified for them
+    duo.chat(MESSAGES, max_tokens=48, temperature=0.9)  # unseeded: drafted
+    assert duo.counter(DRAFTS) > drafts
 
 def _settled(server: Server, timeout: float = 60) -> bool:
     """No request left running or waiting (aborted streams were cleaned up)."""
