@@ -34,6 +34,8 @@ Methods (2-core machine: DuoProposer's target on core 0, its draft on core 1):
   duo-lend-rpc       duo-lend, vLLM's engine core asking for the drafts after each step
   duo-lend-nogate  duo-lend without the gate: the draft model drafts at every step (the
                gate's ablation)
+  duo-lend-nogate-base  the same from the source tree DUO_BASE_SRC (a drafter change's
+               A/B without the gate's trials, which depend on where requests start)
   duo-fullctx  duo-full with the draft seeing whole contexts (no draft_window)
   duo-lend-fullctx  duo-lend with the draft seeing whole contexts
   spec-empty   vLLM's speculative step with empty drafts (benchmarks/oracle.py), target on
@@ -92,6 +94,10 @@ METHODS = {
     # the gate's ablation: the draft model on at every step, lent only on idle steps
     "duo-lend-nogate": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
                                              "budget": "auto", "gate": False}),
+    # the same from DUO_BASE_SRC: a drafter change A/B without the gate's path dependence
+    "duo-lend-nogate-base": dict(bind="0-1", base=True, duo={"parallel": True,
+                                                             "multi_sequence": True,
+                                                             "budget": "auto", "gate": False}),
     "duo-lend-nolookup": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
                                              "budget": "auto", "lookup": False}),
     "duo-nolookup": dict(bind="0", duo={"parallel": True, "multi_sequence": True,

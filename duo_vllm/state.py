@@ -80,6 +80,7 @@ class SlotPool:
     1. the slot it shares the longest *real* prefix with (longer than the
        chat template every prompt starts with), longest matches first, so a
        new context never takes the slot of a request further down the batch;
+       not where the match leaves more to evaluate than a window taken afresh;
     2. else an empty slot, else the least recently used one, never a ``live``
        slot (a running request's) nor one queued for a prompt being prefilled;
     3. else none: the request decodes without a draft (``no_slot``).
@@ -136,9 +137,13 @@ class SlotPool:
         need = max(self.min_reuse, self.template_len + 1)
         pairs = []
         for i, ctx in enumerate(contexts):
+            fresh = self.fresh_tokens(len(ctx))
             for slot in self.slots:
                 m = self._match(slot, ctx)
-                if m >= need:
+                # a match saves work only where it leaves less to evaluate than a slot
+                # taken afresh: a long prompt that shares a preamble with a short one
+                # before it would get that one's whole-context view, not a window
+                if m >= need and len(slot.view(ctx)) - m < fresh:
                     pairs.append((m, slot.last_used, -i, slot.seq_id))
         taken: set[int] = set()
         out: list[Assignment | None] = [None] * len(contexts)
@@ -160,6 +165,11 @@ class SlotPool:
             self.place(slot, len(ctx))
             out[i] = self._take(slot, ctx, taken)
         return out
+
+    def fresh_tokens(self, length: int) -> int:
+        """Tokens a slot taken afresh for a ``length``-token context evaluates: its
+        window (at most)."""
+        return length if self.window is None else min(length, self.window)
 
     def place(self, slot: Slot, length: int) -> None:
         """Set the window of a slot taken for a ``length``-token context."""

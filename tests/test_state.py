@@ -116,3 +116,22 @@ def test_short_contexts_are_whole_under_a_window():
     pool = SlotPool(1, window=8)
     (x,) = pool.assign([a(1, 2, 3)])
     assert x.slot.offset == 0 and list(x.view) == [1, 2, 3]
+
+
+def test_a_long_prompt_sharing_a_preamble_with_a_short_one_gets_a_window():
+    # a short request's slot holds all of it (offset 0); a long prompt that shares its
+    # first 6 tokens would evaluate 24 more through that slot, against 8 in a new window
+    pool = SlotPool(2, window=8)
+    short = np.arange(1, 8, dtype=np.int32)  # 7 tokens: whole under the window
+    (x,) = pool.assign([short])
+    x.slot.tokens = x.view
+    long = np.concatenate([short[:6], np.arange(50, 74)]).astype(np.int32)  # 30 tokens
+    (y,) = pool.assign([long])
+    assert (y.slot.head, y.slot.offset) == (2, 24) and len(y.view) == 8
+    assert y.reuse == (2 if y.slot is x.slot else 0)  # the head, where it is that slot
+    # a continuation of the short one still matches its slot (2 tokens to evaluate)
+    pool = SlotPool(2, window=8)
+    (x,) = pool.assign([short])
+    x.slot.tokens = x.view
+    (z,) = pool.assign([np.append(short, [8, 9])])
+    assert z.slot is x.slot and z.reuse == 7 and z.slot.offset == 0
