@@ -224,6 +224,7 @@ class DuoProposer:
         self._failed = False  # in-process drafter raised: plain decoding for good
         self._returned_at: float | None = None  # when the last propose() returned
         self._last_step = (0, 0)  # (requests, draft tokens) handed to the step under way
+        self._batch = 0  # the requests of the step under way, seeded ones included
         self._new_requests = False  # the step under way prefills new prompts
         self.step_time = StepTimeModel()  # T(B, e): the target's step, measured
         self._runner = None  # vLLM's model runner (attach_runner), for sampling settings
@@ -344,6 +345,8 @@ class DuoProposer:
             budgets.append(min(self.k, room))
             lookup_caps.append(min(self.k_lookup, room))
         self._observe_step(rows, num_tokens_no_spec, skip=partial)
+        # the step's batch size (T(B), the gate's bucket): seeded rows' tokens count too
+        self._batch = batch = len(rows)
         seeded = self._seeded(rows)
         if seeded:  # decoded as plain vLLM would (a seed gives the same tokens every run)
             if not self.seeded_rows:
@@ -366,18 +369,18 @@ class DuoProposer:
         temps_or_0 = temps or [0.0] * len(rows)
         keys = self._request_keys(rows)
         if self._runner is not None and self._gated:  # it needs request ids to count tokens
-            key = keys[0] if len(rows) == 1 else None  # batch 1: the gate pairs by request
-            was_on, self._on = self._on, self.gate.drafting(len(rows), self._sampled, key)
+            key = keys[0] if batch == 1 else None  # batch 1: the gate pairs by request
+            was_on, self._on = self._on, self.gate.drafting(batch, self._sampled, key)
             if was_on and not self._on:
                 self._pause_draft()
-            self._lookups_on, self._lookup_trial = self._lookup_mode(len(rows))
+            self._lookups_on, self._lookup_trial = self._lookup_mode(batch)
         lookups = self._lookups(keys, contexts, lookup_caps, serve=self._lookups_on)
         disabled = getattr(self._client, "disabled", False)
         if not self._on or disabled:
             self._lend(True)  # the draft side gave up for good: lend for good
         if not self._on:  # the draft model does not pay at this batch size: no draft work
             return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, None)
-        cost = self.step_time.cost(len(rows))
+        cost = self.step_time.cost(batch)
         step_s, per_token_s = (None, None) if cost is None else (cost.t0, cost.per_token)
         hints = self._hints(keys, temps_or_0, lookups)
         remaining = self._remaining(rows, num_tokens_no_spec)
@@ -458,8 +461,9 @@ class DuoProposer:
         if lookups is None:
             return None
         # a lookup token pays where α > c · goodput, goodput ~ the plain step's
-        cost = self.step_time.cost(len(keys))
-        threshold = math.inf if cost is None else cost.per_token * len(keys) / cost.t0
+        batch = max(self._batch, len(keys))
+        cost = self.step_time.cost(batch)
+        threshold = math.inf if cost is None else cost.per_token * batch / cost.t0
         return [Hint(list(d), self.lookup.alpha(MODEL, key, t),
                      self.lookup.alphas(key, t, n, len(d)), threshold)
                 for key, t, d, n in zip(keys, temps, lookups, self.lookup.matches)]
@@ -483,7 +487,7 @@ class DuoProposer:
                 self.lookup.remember(keys[j], len(contexts[j]), temps[j],
                                      {LOOKUP: lookups[j], MODEL: m}, source, served,
                                      self.lookup.matches[j])
-        self._last_step = (len(rows), sum(len(d) for d in drafts))
+        self._last_step = (max(self._batch, len(rows)), sum(len(d) for d in drafts))
         self._step_q = None
         if any(q is not None for q in drawn):
             rows_q = [i for i, d in enumerate(drafts) if d]

@@ -493,6 +493,12 @@ def test_seeded_sampled_requests_decode_without_drafts(clock):
     assert w.calls[-1]["contexts"] == [[1, 2], [6, 7]]
     assert drafts[1] == [] and drafts[0] and drafts[2]
     assert p.stats()["seeded_rows"] == 1
+    assert p._last_step[0] == 3  # the step's T(B) and the gate's batch count every row
+    asked = []
+    p._gated, p.gate.drafting = True, lambda b, sampled, key=None: asked.append(b) or True
+    p.propose(sampled, n, ids)
+    assert asked == [3]
+    p._gated = False
     batch.temperature_cpu[2] = 0.9  # now both seeded rows sample: only a is drafted
     drafts = p.propose(sampled, n, ids)
     assert w.calls[-1]["contexts"] == [[1, 2]] and drafts[1] == drafts[2] == []
