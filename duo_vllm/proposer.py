@@ -461,9 +461,8 @@ class DuoProposer:
         if lookups is None:
             return None
         # a lookup token pays where α > c · goodput, goodput ~ the plain step's
-        batch = max(self._batch, len(keys))
-        cost = self.step_time.cost(batch)
-        threshold = math.inf if cost is None else cost.per_token * batch / cost.t0
+        cost = self.step_time.cost(self._batch)
+        threshold = math.inf if cost is None else cost.per_token * self._batch / cost.t0
         return [Hint(list(d), self.lookup.alpha(MODEL, key, t),
                      self.lookup.alphas(key, t, n, len(d)), threshold)
                 for key, t, d, n in zip(keys, temps, lookups, self.lookup.matches)]
@@ -487,7 +486,7 @@ class DuoProposer:
                 self.lookup.remember(keys[j], len(contexts[j]), temps[j],
                                      {LOOKUP: lookups[j], MODEL: m}, source, served,
                                      self.lookup.matches[j])
-        self._last_step = (max(self._batch, len(rows)), sum(len(d) for d in drafts))
+        self._last_step = (self._batch, sum(len(d) for d in drafts))
         self._step_q = None
         if any(q is not None for q in drawn):
             rows_q = [i for i, d in enumerate(drafts) if d]
@@ -550,11 +549,10 @@ class DuoProposer:
         generator once per draft token, and how many tokens a step drafts depends
         on timing; a step without drafts draws as plain decoding does)."""
         batch = getattr(self._runner, "input_batch", None)
-        generators = getattr(batch, "generators", None)
-        if self.config.draft_seeded or not generators:
-            return set()
-        temps = getattr(batch, "temperature_cpu", None)
-        return {i for i in rows if i in generators and (temps is None or float(temps[i]) > 1e-5)}
+        if self.config.draft_seeded or not getattr(batch, "generators", None):
+            return set()  # no request of the batch has a seed
+        return {i for i, state in zip(rows, self._states(rows))
+                if state is not None and self._seeded_request(state)}
 
     def _temperatures(self, rows: list[int]) -> list[float] | None:
         temps = getattr(getattr(self._runner, "input_batch", None), "temperature_cpu", None)
@@ -613,7 +611,8 @@ class DuoProposer:
             self._lend(False)
 
     def _seeded_request(self, req) -> bool:
-        """A new request that will get no drafts (:meth:`_seeded`): nothing to prefill."""
+        """Does ``req`` (a new request, or a running one's state) sample with a seed of
+        its own, and so get no drafts (:meth:`_seeded`)?"""
         params = getattr(req, "sampling_params", None)
         return not self.config.draft_seeded and getattr(params, "seed", None) is not None \
             and (getattr(params, "temperature", 0.0) or 0.0) > 1e-5

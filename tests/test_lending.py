@@ -572,6 +572,8 @@ def test_a_step_of_seeded_sampled_requests_only_lends_and_asks_the_draft_nothing
     assert p.propose(sampled, n, ids) == [[1, 2, 3, 4]]  # unseeded: drafted
     assert calls == [1] and len(w.calls) == 1  # on the draft's own core
     p._runner.input_batch.generators = {0: torch.Generator()}
+    p._runner.requests = {"a": SimpleNamespace(sampling_params=SimpleNamespace(
+        temperature=0.7, seed=3))}
     p.on_new_requests([SimpleNamespace(prompt_token_ids=[1, 2, 3], sampling_params=SimpleNamespace(
         temperature=0.7, seed=3))], batch=1)
     assert calls == [1] and w.pauses == 0

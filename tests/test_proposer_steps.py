@@ -486,7 +486,10 @@ def test_seeded_sampled_requests_decode_without_drafts(clock):
     gen = torch.Generator()
     batch = SimpleNamespace(req_ids=["a", "b", "c"], generators={1: gen, 2: gen},
                             temperature_cpu=np.array([0.7, 0.7, 0.0], dtype=np.float32))
-    p.attach_runner(SimpleNamespace(input_batch=batch))
+    params = {r: SimpleNamespace(temperature=float(t), seed=seed)
+              for r, t, seed in zip(batch.req_ids, batch.temperature_cpu, (None, 1, 2))}
+    p.attach_runner(SimpleNamespace(input_batch=batch, requests={
+        r: SimpleNamespace(sampling_params=sp) for r, sp in params.items()}))
     sampled, n, ids = inputs([[1, 2], [3, 4, 5], [6, 7]])
     drafts = p.propose(sampled, n, ids)
     # b samples with a seed: not drafted, not even sent; c's seed draws nothing (greedy)
@@ -499,10 +502,9 @@ def test_seeded_sampled_requests_decode_without_drafts(clock):
     p.propose(sampled, n, ids)
     assert asked == [3]
     p._gated = False
-    batch.temperature_cpu[2] = 0.9  # now both seeded rows sample: only a is drafted
+    batch.temperature_cpu[2] = params["c"].temperature = 0.9  # both seeded rows sample
     drafts = p.propose(sampled, n, ids)
     assert w.calls[-1]["contexts"] == [[1, 2]] and drafts[1] == drafts[2] == []
     p.config = DuoConfig(use_actor=False, draft_seeded=True)  # drafted like the others
     drafts = p.propose(sampled, n, ids)
     assert len(w.calls[-1]["contexts"]) == 3 and all(drafts)
-
