@@ -47,7 +47,10 @@ class DraftGate:
     request: when the next one starts (``drafting`` is told the step's
     ``key``), drafting is on trial again there, and plain decoding holds only
     if it still wins (one hard request, a long article the draft cannot
-    follow, does not keep drafting off for the requests after it). Where the
+    follow, does not keep drafting off for the requests after it). So does a
+    verdict for plain decoding on the rates where its trial ran across a request
+    boundary (no request ran both modes long enough to pair): it holds for the
+    request it ended on, the rates having been measured partly on others. Where the
     recent rates favour plain decoding, measured on the requests before, which
     may have been easier, plain decoding's trial follows on the same request,
     and the verdict is paired on it.
@@ -77,7 +80,8 @@ class DraftGate:
         self._pairing: dict = {}
         self.paired_steps = paired_steps
         self._paired: dict = {}  # bucket -> {(key, on): [tokens, seconds, steps]}
-        self._scope: dict = {}  # bucket -> the request a paired verdict for plain decoding holds for
+        self._scope: dict = {}  # bucket -> the request a verdict for plain decoding holds for
+        self._key: dict = {}  # bucket -> the request of its last step (where keyed)
         self.plain_steps = 0  # steps the gate left to plain decoding
         self.log: deque = deque(maxlen=32)  # the last trials and verdicts, for stats
 
@@ -99,6 +103,7 @@ class DraftGate:
             self._mode[b] = self.first_mode(b)
         if self._next_request(b, key):
             self._try_again(b)
+        self._key[b] = key
         if b in self._trying and self._steps - self._trial_at[b] > \
                 self.abandon_after * (self.trial_steps + self.warmup_steps):
             self._abandon(b)
@@ -226,6 +231,11 @@ class DraftGate:
         paired = self._paired.pop(b, {})
         if key is None:
             on = self.faster_on(b)
+            if not on and self._trying.get(b) is False and pairing is not False and \
+                    self._key.get(b) is not None:
+                # plain decoding's trial ran across a request boundary (no pair): it won
+                # on rates partly measured on other requests, so it holds for this one
+                self._scope[b] = self._key[b]
             self._note(b, on, "rates", self._rate.get((b, True)), self._rate.get((b, False)))
             return on
         r_on, r_off = (paired[(key, m)][0] / paired[(key, m)][1] for m in (True, False))

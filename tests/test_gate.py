@@ -279,6 +279,24 @@ def test_the_next_request_after_a_verdict_for_plain_decoding_is_judged_on_itself
     assert not any(modes[1][-50:]) and not any(modes[2])
 
 
+def test_a_verdict_on_rates_across_a_request_boundary_holds_for_its_last_request_only():
+    """Batch 1: plain decoding's retry begins 2 steps before a request ends and runs on
+    into the next, a request that copies its prompt (plain decoding at 200 tokens/s), so
+    no request has both modes for a pair and plain decoding wins on rates partly measured
+    elsewhere. It holds for that request; the one after tries drafting again at once,
+    rather than wait a retry interval in plain decoding (measured: 580 steps off)."""
+    lengths, rates = [282, 60, 100], [(40.0, 20.0), (30.0, 200.0), (40.0, 20.0)]
+    gate = DraftGate(trial_steps=10, warmup_steps=2)
+    modes = run_requests(gate, lengths, rates)
+    assert ("1", "off", "rates") in [x[1:4] for x in gate.log]  # across the boundary
+    assert not any(modes[1])  # plain decoding on the copying request
+    assert sum(modes[2]) > 0.85 * len(modes[2])  # drafting again on the next one
+    # where drafting also loses on the next request, plain decoding holds after it
+    modes = run_requests(DraftGate(trial_steps=10, warmup_steps=2), lengths + [100],
+                         rates[:2] + [(15.0, 26.0)] * 2)
+    assert not any(modes[2][-50:]) and not any(modes[3])
+
+
 def test_the_log_keeps_each_trial_and_verdict_with_how_it_was_reached():
     gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
     run_gate(gate, 16, rate_on=90.0, rate_off=100.0, steps=60)
