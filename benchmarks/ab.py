@@ -98,7 +98,9 @@ def rounds(args) -> dict:
     if any(arm in ARMS for arm in args.arms):
         duo = LLM(**common, speculative_config=method_spec(
             "duo-full", target, default_draft_gguf(), args.k, args.lookup_k))
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    # sampled requests run to max_tokens (ignore_eos), as in run.py: tok/s, not sample length
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            ignore_eos=args.temperature > 0)
     for llm in [*engines.values(), duo]:  # warm-up, not counted
         if llm is not None:
             llm.generate(prompts[:1], params, use_tqdm=False)

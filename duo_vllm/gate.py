@@ -48,9 +48,11 @@ class DraftGate:
     ``key``), drafting is on trial again there, and plain decoding holds only
     if it still wins (one hard request, a long article the draft cannot
     follow, does not keep drafting off for the requests after it). So does a
-    verdict for plain decoding on the rates where its trial ran across a request
-    boundary (no request ran both modes long enough to pair): it holds for the
-    request it ended on, the rates having been measured partly on others. Where the
+    verdict for plain decoding on the rates where no request ran both modes long
+    enough to pair (its trial ran across a request boundary, say): it holds for
+    the request it ended on, the rates having been measured partly on others
+    (not so the pairing trial's verdict below: there plain decoding has won on
+    two requests in a row). Where the
     recent rates favour plain decoding, measured on the requests before, which
     may have been easier, plain decoding's trial follows on the same request,
     and the verdict is paired on it.
@@ -139,8 +141,8 @@ class DraftGate:
         return on
 
     def _next_request(self, b, key) -> bool:
-        """Does request ``key`` follow the one a paired verdict for plain decoding in
-        bucket ``b`` was scoped to?"""
+        """Does request ``key`` follow the one a verdict for plain decoding in bucket
+        ``b`` was scoped to?"""
         return key is not None and self._scope.get(b, key) != key
 
     def _start_trial(self, b, on: bool) -> None:
@@ -153,7 +155,7 @@ class DraftGate:
             del paired[k]
 
     def _try_again(self, b) -> None:
-        """A new request after a paired verdict for plain decoding on the one before:
+        """A new request after a verdict for plain decoding scoped to the one before:
         drafting is on trial on this one (its warm-up, then a verdict on the rates)."""
         del self._scope[b]
         self._mode[b], self._run[b] = True, 0
@@ -233,9 +235,12 @@ class DraftGate:
             on = self.faster_on(b)
             if not on and self._trying.get(b) is False and pairing is not False and \
                     self._key.get(b) is not None:
-                # plain decoding's trial ran across a request boundary (no pair): it won
-                # on rates partly measured on other requests, so it holds for this one
+                # no request ran both modes long enough to pair (plain decoding's trial
+                # ran across a request boundary, say): it won on rates measured partly
+                # on other requests, so it holds for this one
                 self._scope[b] = self._key[b]
+            elif on:
+                self._scope.pop(b, None)  # drafting won again: no new trial at the next request
             self._note(b, on, "rates", self._rate.get((b, True)), self._rate.get((b, False)))
             return on
         r_on, r_off = (paired[(key, m)][0] / paired[(key, m)][1] for m in (True, False))
@@ -244,6 +249,8 @@ class DraftGate:
             r_on > r_off * (1 + self.margin)
         if not on and self._trying.get(b) is False and pairing is not False:
             self._scope[b] = key  # plain decoding won its trial: on this request
+        elif on:
+            self._scope.pop(b, None)
         self._note(b, on, "paired", r_on, r_off)
         return on
 

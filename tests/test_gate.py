@@ -297,6 +297,21 @@ def test_a_verdict_on_rates_across_a_request_boundary_holds_for_its_last_request
     assert not any(modes[2][-50:]) and not any(modes[3])
 
 
+def test_a_scope_ends_where_drafting_wins_again_on_its_request():
+    """Plain decoding wins on request 1 (scoped to it); later in the same request the
+    draft finds its footing and drafting wins its retry. The next request keeps
+    drafting as it is: no fresh trial, and its measurements are not thrown away."""
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=50)
+    for key, rates, n in [(0, (40.0, 20.0), 30), (1, (20.0, 40.0), 60),
+                          (1, (40.0, 20.0), 60), (2, (40.0, 20.0), 20)]:
+        for _ in range(n):
+            on = gate.drafting(1, key=key)
+            gate.observe(1, on, tokens=1, seconds=1 / rates[0 if on else 1], key=key)
+    hows = [x[2:4] for x in gate.log]
+    assert ("off", "paired") in hows and hows[-1] == ("on", "paired")
+    assert ("on", "next request") not in hows
+
+
 def test_the_log_keeps_each_trial_and_verdict_with_how_it_was_reached():
     gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
     run_gate(gate, 16, rate_on=90.0, rate_off=100.0, steps=60)
