@@ -83,7 +83,6 @@ class DraftGate:
         self.paired_steps = paired_steps
         self._paired: dict = {}  # bucket -> {(key, on): [tokens, seconds, steps]}
         self._scope: dict = {}  # bucket -> the request a verdict for plain decoding holds for
-        self._key: dict = {}  # bucket -> the request of its last step (where keyed)
         self.plain_steps = 0  # steps the gate left to plain decoding
         self.log: deque = deque(maxlen=32)  # the last trials and verdicts, for stats
 
@@ -105,7 +104,6 @@ class DraftGate:
             self._mode[b] = self.first_mode(b)
         if self._next_request(b, key):
             self._try_again(b)
-        self._key[b] = key
         if b in self._trying and self._steps - self._trial_at[b] > \
                 self.abandon_after * (self.trial_steps + self.warmup_steps):
             self._abandon(b)
@@ -127,7 +125,7 @@ class DraftGate:
                     and not self.faster_on(b):
                 on = self._pair(b)  # the same request in plain decoding, then a verdict
             elif b in self._trying:  # the end of a trial: judge; between trials, keep the mode
-                on = self._verdict(b)
+                on = self._verdict(b, key)
                 if self._trying.pop(b) == self._mode[b]:
                     # the end of a retried mode's trial: did it lose (again)?
                     lost = (b, self._mode[b])
@@ -225,33 +223,32 @@ class DraftGate:
             return 4 * self.retry_every
         return self.retry_every
 
-    def _verdict(self, b) -> bool:
+    def _verdict(self, b, current=None) -> bool:
         """The end of a trial: the faster mode on the request both modes ran on longest,
-        where there is one (paired), else over the modes' recent steps."""
+        where there is one (paired), else over the modes' recent steps (``current``: the
+        request of this step, where keyed)."""
         pairing = self._pairing.pop(b, None)
         key = self._best_pair(b)
         paired = self._paired.pop(b, {})
         if key is None:
-            on = self.faster_on(b)
-            if not on and self._trying.get(b) is False and pairing is not False and \
-                    self._key.get(b) is not None:
-                # no request ran both modes long enough to pair (plain decoding's trial
-                # ran across a request boundary, say): it won on rates measured partly
-                # on other requests, so it holds for this one
-                self._scope[b] = self._key[b]
-            elif on:
-                self._scope.pop(b, None)  # drafting won again: no new trial at the next request
-            self._note(b, on, "rates", self._rate.get((b, True)), self._rate.get((b, False)))
-            return on
-        r_on, r_off = (paired[(key, m)][0] / paired[(key, m)][1] for m in (True, False))
-        # on the same request a tie is no evidence: the mode from before the trial stays
-        on = r_on * (1 + self.margin) > r_off if not self._mode[b] else \
-            r_on > r_off * (1 + self.margin)
-        if not on and self._trying.get(b) is False and pairing is not False:
+            on, how = self.faster_on(b), "rates"
+            rates = self._rate.get((b, True)), self._rate.get((b, False))
+            # no request ran both modes long enough to pair (plain decoding's trial ran
+            # across a request boundary, say): a win on rates measured partly on other
+            # requests holds for the current one
+            key = current
+        else:
+            how, rates = "paired", tuple(paired[(key, m)][0] / paired[(key, m)][1]
+                                         for m in (True, False))
+            r_on, r_off = rates
+            # on the same request a tie is no evidence: the mode from before the trial stays
+            on = r_on * (1 + self.margin) > r_off if not self._mode[b] else \
+                r_on > r_off * (1 + self.margin)
+        if on:
+            self._scope.pop(b, None)  # drafting won: no new trial at the next request
+        elif self._trying.get(b) is False and pairing is not False and key is not None:
             self._scope[b] = key  # plain decoding won its trial: on this request
-        elif on:
-            self._scope.pop(b, None)
-        self._note(b, on, "paired", r_on, r_off)
+        self._note(b, on, how, *rates)
         return on
 
     def _best_pair(self, b):
