@@ -149,7 +149,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
          "model_tokens_accepted", "busy_s", "prefill_tokens", "predraft_tokens", "sync_tokens",
           "sync_s", "sync_calls", "propose_calls", "lookup_misses", "lent_steps",
           "lend_switches", "matmul_remakes", "drawn_tokens", "lent_prefills", "hedged_roots",
-          "deep_hits")}
+          "deep_hits", "shorter_roots")}
     lengths = {int(n): c - before.get("chosen_lengths", {}).get(n, 0)
                for n, c in after.get("chosen_lengths", {}).items()}
     return {
@@ -177,6 +177,8 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         # pre-drafts rooted where a weak copied tail parts from the model; hits past a
         # branch's first token
         "hedged_roots": d["hedged_roots"], "deep_hits": d["deep_hits"],
+        # of them, rooted there since a root after the copy left no branch room in the step
+        "shorter_roots": d["shorter_roots"],
         # steps the target ran on the draft's cores too, and switches (duo-lend)
         "lent_steps": d["lent_steps"], "lend_switches": d["lend_switches"],
         "matmul_remakes": d["matmul_remakes"],
@@ -483,7 +485,8 @@ def summarise(results: dict) -> dict:
                     "lookup_misses", "sync_ms_per_draft_step", "gate_plain_steps", "gate_no_draft_steps",
                     "gate_tokens_per_s", "draft_busy_s", "propose_ms_per_step", "sources", "lookup_rows", "source_alpha",
                     "lent_steps", "lend_switches", "matmul_remakes", "lent_prefills", "drawn_tokens",
-                    "gate_log", "predraft_misses", "hedged_roots", "deep_hits")}
+                    "gate_log", "predraft_misses", "hedged_roots", "deep_hits",
+                    "shorter_roots")}
             if s["temperature"] == 0.0 and key in ref_shapes:
                 mine = [x["token_ids"] for x in rows if x["repeat"] == 0]
                 theirs = [x["token_ids"] for x in ref_shapes[key]["rows"] if x["repeat"] == 0]
@@ -591,7 +594,8 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                          f"({c.get('sync_calls')} calls; misses served a lookup draft "
                          f"instead {c.get('lookup_misses')}; pre-draft misses by why "
                          f"{c.get('predraft_misses')}; pre-drafts rooted inside a copied "
-                         f"tail {c.get('hedged_roots')}, hits past a branch's first token "
+                         f"tail {c.get('hedged_roots')} (for want of time in the step "
+                         f"{c.get('shorter_roots')}), hits past a branch's first token "
                          f"{c.get('deep_hits')})"
                          + (f"; steps on the draft's core too {c['lent_steps']} "
                             f"({c.get('lend_switches')} switches, oneDNN matmuls remade "

@@ -31,7 +31,7 @@ from .branching import (
 from .lookup import Hint, serve as serve_rule
 from .goodput import (
     PROBE_EVERY, Acceptance, DraftTimeModel, TargetCost, catch_up_pays, expected_accepted,
-    plan_predraft, plan_served, plan_sync, predraft_root, regime,
+    plan_predraft, plan_served, plan_sync, predraft_roots, regime,
 )
 from .sampling import draft_q, sample_q
 from .state import Assignment, Slot, SlotPool, common_prefix_len, pool_window
@@ -264,18 +264,21 @@ class DuoDrafter:
             self.floor_streak += 1
         elif any(out[r.row] for r in rows):
             self.floor_streak = 0
-        served, p_served = self._served(rows, out, hints, self.last_q)
+        served, p_served, shorter = self._served(rows, out, hints, self.last_q)
         self.expected_step_s = cost.step(sum(len(d) for d in served))
-        self._plan_jobs(rows, served, p_served, cost, len(contexts))
+        self._plan_jobs(rows, served, p_served, cost, len(contexts), shorter)
         st.busy_s += time.perf_counter() - t0
         return out
 
     def _served(self, rows: list[_Row], out, hints, qs):
         """What the proposer will serve per row, and where the next step most likely
         starts: per row, the tokens of the served draft the pre-draft's root holds
-        and the chance the target's tokens reach that root."""
+        and the chance the target's tokens reach that root; and, where the root is
+        after a copied tail, the root where the copy parts from the model (a
+        shorter catch-up, for a step too short for the other)."""
         served = list(out)
         p_all = {r.row: (len(out[r.row]), r.alpha ** len(out[r.row])) for r in rows}
+        shorter = {}
         for r in rows:
             hint = _hint(hints, r.row)
             if hint is None or not hint.tokens:
@@ -285,10 +288,13 @@ class DuoDrafter:
                 agree = common_prefix_len(np.asarray(draft, dtype=np.int32),
                                           np.asarray(out[r.row], dtype=np.int32))
                 served[r.row] = list(draft)
-                p_all[r.row] = predraft_root(len(draft), agree, r.alpha, hint.alpha_lookup,
-                                             hedge=r.temperature < 1e-5)
+                roots = predraft_roots(len(draft), agree, r.alpha, hint.alpha_lookup,
+                                       hedge=r.temperature < 1e-5)
+                p_all[r.row] = roots[0]
+                if len(roots) > 1 and roots[1][0] < roots[0][0]:
+                    shorter[r.row] = roots[1]
                 self.stats.lookup_predrafts += 1
-        return served, p_all
+        return served, p_all, shorter
 
     def _rows(self, contexts, max_tokens, temps, serve: bool, remaining=None) -> list[_Row]:
         """Match each request to its slot; find its pre-drafted branch, or what it lacks."""
@@ -499,12 +505,16 @@ class DuoDrafter:
             slot.tokens = np.zeros(0, dtype=np.int32)
 
     def _plan_jobs(self, rows: list[_Row], out, p_served: dict, cost: TargetCost,
-                   batch: int) -> None:
+                   batch: int, shorter: dict | None = None) -> None:
         """The next step's pre-draft: which requests, how deep (the controller's plan).
 
         ``out`` is what each row is served this step; ``p_served`` per row the
         tokens of it the pre-draft's root holds and the chance the target's
-        tokens reach that root (the branches continue it).
+        tokens reach that root (the branches continue it); ``shorter`` per row
+        whose root is after a copied tail, the root where the copy parts from
+        the model: taken where the first leaves no branch room in the step (a
+        catch-up of the whole copy and one level outlast it), so the next step
+        finds a tree for the likelier of the other outcomes rather than none.
         """
         self.jobs = []
         self.planned = set()  # slots with a pre-draft queued for the next step
@@ -512,20 +522,36 @@ class DuoDrafter:
         if not policy.predrafts:
             return
         rows = [r for r in rows if len(r.ctx) + len(out[r.row]) + 2 < self.n_ctx]
-        # the root: the context and the served draft, or a hedged part of it
-        prefixes = [np.concatenate([r.ctx, np.asarray(out[r.row][:p_served[r.row][0]],
-                                                      dtype=np.int32)]) for r in rows]
+        roots = [p_served[r.row] for r in rows]
+
+        def prefix(r, root):  # the root: the context and the served draft, or a part of it
+            return np.concatenate([r.ctx, np.asarray(out[r.row][:root[0]], dtype=np.int32)])
+
+        prefixes = [prefix(r, root) for r, root in zip(rows, roots)]
         if policy.budget is not None:
             depths = [policy.budget] * len(rows)
         else:
-            # a background row's prefill runs anyway; its tree is planned as if caught up
-            catch_up = [1 if r.background else
-                        max(1, len(p) - common_prefix_len(r.slot.tokens, p))
-                        for r, p in zip(rows, prefixes)]
-            hit_p = [p_served[r.row][1] * r.alpha for r in rows]
-            depths = plan_predraft([r.alpha for r in rows], hit_p, [r.k for r in rows],
-                                   catch_up, self.expected_step_s, self.draft_time,
-                                   min_gain=cost.per_token * batch / cost.t0)
+            def plan(prefixes, roots):
+                # a background row's prefill runs anyway; its tree is planned as if caught up
+                catch_up = [1 if r.background else
+                            max(1, len(p) - common_prefix_len(r.slot.tokens, p))
+                            for r, p in zip(rows, prefixes)]
+                return plan_predraft([r.alpha for r in rows],
+                                     [root[1] * r.alpha for r, root in zip(rows, roots)],
+                                     [r.k for r in rows], catch_up, self.expected_step_s,
+                                     self.draft_time, min_gain=cost.per_token * batch / cost.t0)
+
+            depths = plan(prefixes, roots)
+            swap = [i for i, (r, m) in enumerate(zip(rows, depths))
+                    if m == 0 and not r.background and r.row in (shorter or {})]
+            if swap:
+                alt_roots = [shorter[r.row] if i in swap else root
+                             for i, (r, root) in enumerate(zip(rows, roots))]
+                alt_prefixes = [prefix(r, root) for r, root in zip(rows, alt_roots)]
+                alt = plan(alt_prefixes, alt_roots)
+                if any(alt[i] for i in swap):
+                    depths, prefixes = alt, alt_prefixes
+                    self.stats.shorter_roots += sum(1 for i in swap if alt[i])
             for i, r in enumerate(rows):
                 # a probe: acceptance may have risen since. Not of a row that would first
                 # need a prefill longer than PROBE_CATCH_UP_STEPS target steps (a prompt

@@ -50,12 +50,19 @@ class DraftGate:
     follow, does not keep drafting off for the requests after it). So does a
     verdict for plain decoding on the rates where no request ran both modes long
     enough to pair (its trial ran across a request boundary, say): it holds for
-    the request it ended on, the rates having been measured partly on others
-    (not so the pairing trial's verdict below: there plain decoding has won on
-    two requests in a row). Where the
-    recent rates favour plain decoding, measured on the requests before, which
-    may have been easier, plain decoding's trial follows on the same request,
-    and the verdict is paired on it.
+    the request it ended on, the rates having been measured partly on others.
+    Where the recent rates favour plain decoding, measured on the requests
+    before, which may have been easier, plain decoding's trial follows on the
+    same request, and the verdict is paired on it. Where plain decoding wins on
+    several requests in a row, the requests after its n-th win in a row are left
+    to it, 2ⁿ⁻¹ - 1 of them, before drafting's next trial: a server where the
+    draft never pays spends trials on a vanishing share of its requests, and
+    one whose requests come in kinds (two that quote their prompt, then ones
+    only the draft makes fast) gets drafting back after a request or two, not
+    after a retry interval (223 steps once).
+
+    A trial has to beat the mode before it by ``margin``, on a pair as on the
+    rates: a tie keeps that mode.
     """
 
     labels = ("on", "off")  # the two modes' names in :meth:`rates`
@@ -83,6 +90,8 @@ class DraftGate:
         self.paired_steps = paired_steps
         self._paired: dict = {}  # bucket -> {(key, on): [tokens, seconds, steps]}
         self._scope: dict = {}  # bucket -> the request a verdict for plain decoding holds for
+        self._wins: dict = {}  # bucket -> plain decoding's wins on requests in a row
+        self._skip: dict = {}  # bucket -> requests still left to plain decoding after those
         self.plain_steps = 0  # steps the gate left to plain decoding
         self.log: deque = deque(maxlen=32)  # the last trials and verdicts, for stats
 
@@ -103,7 +112,11 @@ class DraftGate:
         if b not in self._mode:
             self._mode[b] = self.first_mode(b)
         if self._next_request(b, key):
-            self._try_again(b)
+            if self._skip.get(b):  # a request left to plain decoding: its wins in a row
+                self._skip[b] -= 1
+                self._scope[b] = key
+            else:
+                self._try_again(b)
         if b in self._trying and self._steps - self._trial_at[b] > \
                 self.abandon_after * (self.trial_steps + self.warmup_steps):
             self._abandon(b)
@@ -168,8 +181,8 @@ class DraftGate:
         compares the two modes on one request, not drafting on this one against plain
         decoding on an easier one (a request copied at 71 tok/s against a hard one
         drafted at 26 once kept drafting off for hundreds of steps). Where plain decoding
-        wins that, it has won on two requests in a row: it holds for the requests after
-        this one too (until a retry), as it did before."""
+        wins that, it has won on two requests in a row: the next request is left to it
+        too (see the class docstring)."""
         self._pairing[b] = False
         self._start_trial(b, False)
         self._note(b, False, "pairing")
@@ -193,7 +206,7 @@ class DraftGate:
         """The mode a step of ``batch`` requests (of request ``key``) would get now (no
         bookkeeping; a trial that falls due at that step aside)."""
         b = self.bucket(batch, sampled)
-        if self._next_request(b, key):
+        if self._next_request(b, key) and not self._skip.get(b):
             return True  # a new request after a verdict scoped to the last one
         return self._mode[b] if b in self._mode else self.first_mode(b)
 
@@ -227,11 +240,11 @@ class DraftGate:
         """The end of a trial: the faster mode on the request both modes ran on longest,
         where there is one (paired), else over the modes' recent steps (``current``: the
         request of this step, where keyed)."""
-        pairing = self._pairing.pop(b, None)
+        self._pairing.pop(b, None)
         key = self._best_pair(b)
         paired = self._paired.pop(b, {})
         if key is None:
-            on, how = self.faster_on(b), "rates"
+            how = "rates"
             rates = self._rate.get((b, True)), self._rate.get((b, False))
             # no request ran both modes long enough to pair (plain decoding's trial ran
             # across a request boundary, say): a win on rates measured partly on other
@@ -240,14 +253,22 @@ class DraftGate:
         else:
             how, rates = "paired", tuple(paired[(key, m)][0] / paired[(key, m)][1]
                                          for m in (True, False))
-            r_on, r_off = rates
-            # on the same request a tie is no evidence: the mode from before the trial stays
+        r_on, r_off = rates
+        if r_on is None or r_off is None:
+            on = r_on is not None
+        else:  # a tie is no evidence: the mode from before the trial stays
             on = r_on * (1 + self.margin) > r_off if not self._mode[b] else \
                 r_on > r_off * (1 + self.margin)
         if on:
             self._scope.pop(b, None)  # drafting won: no new trial at the next request
-        elif self._trying.get(b) is False and pairing is not False and key is not None:
-            self._scope[b] = key  # plain decoding won its trial: on this request
+            self._wins.pop(b, None)
+            self._skip.pop(b, None)
+        elif self._trying.get(b) is False and key is not None:
+            # plain decoding won its trial: on this request, and on as many after it as
+            # its wins in a row earn
+            wins = self._wins[b] = self._wins.get(b, 0) + 1
+            self._scope[b] = key
+            self._skip[b] = 2 ** (wins - 1) - 1
         self._note(b, on, how, *rates)
         return on
 

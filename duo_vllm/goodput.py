@@ -183,6 +183,22 @@ def predraft_time(depths: Sequence[int], catch_up: Sequence[int],
     return t
 
 
+def predraft_roots(n: int, agree: int, alpha: float, alpha_lookup: float | Sequence[float],
+                   hedge: bool = True) -> list[tuple[int, float]]:
+    """:func:`predraft_root`'s candidates, likelier first: after the whole draft, and
+    (with ``hedge``, where a copy parts from the model) where it parts. A root
+    after a long copy needs the copy evaluated first (a catch-up call as wide);
+    where that leaves no room for a branch within the target's step, the
+    shorter root is the one that can be ready."""
+    tail = token_alphas(alpha_lookup, n - agree, agree)
+    end = (n, alpha ** agree * math.prod(tail))
+    if not hedge or agree >= n:
+        return [end]
+    part = (agree, alpha ** agree * min(1.0, (1.0 - token_alphas(alpha_lookup, 1, agree)[0])
+                                        / max(alpha, 1e-9)))
+    return [part, end] if part[1] > end[1] else [end, part]
+
+
 def predraft_root(n: int, agree: int, alpha: float, alpha_lookup: float | Sequence[float],
                   hedge: bool = True) -> tuple[int, float]:
     """Where the next step's pre-draft starts, for a request served ``n`` tokens of
@@ -202,11 +218,7 @@ def predraft_root(n: int, agree: int, alpha: float, alpha_lookup: float | Sequen
     likelier of the two; after the whole draft without ``hedge`` (a sampled
     request's drafts are drawn, not copied).
     """
-    tail = token_alphas(alpha_lookup, n - agree, agree)
-    p_end = alpha ** agree * math.prod(tail)
-    p_part = alpha ** agree * min(1.0, (1.0 - token_alphas(alpha_lookup, 1, agree)[0])
-                                  / max(alpha, 1e-9))
-    return (agree, p_part) if hedge and agree < n and p_part > p_end else (n, p_end)
+    return predraft_roots(n, agree, alpha, alpha_lookup, hedge)[0]
 
 
 def plan_predraft(alphas: Sequence[float], hit_probs: Sequence[float], caps: Sequence[int],

@@ -51,6 +51,8 @@ class DraftStats:
     lookup_misses: int = 0  # pre-draft misses served their lookup draft, no draft on the spot
     hedged_roots: int = 0  # pre-drafts rooted where a served lookup copy parts from the model
     deep_hits: int = 0  # hits on a branch the context follows for more than its first token
+    # pre-drafts rooted where a copy parts from the model: after it, no branch fitted the step
+    shorter_roots: int = 0
     errors: int = 0
     busy_s: float = 0.0
     sync_s: float = 0.0  # drafting on the spot while vLLM waited
@@ -89,6 +91,7 @@ class DraftStats:
             "lookup_misses": self.lookup_misses,
             "hedged_roots": self.hedged_roots,
             "deep_hits": self.deep_hits,
+            "shorter_roots": self.shorter_roots,
             "errors": self.errors,
             "busy_fraction": self.busy_s / wall if wall > 0 else 0.0,
             "busy_s": self.busy_s,

@@ -792,3 +792,39 @@ def test_a_weak_lookup_tail_is_pre_drafted_from_where_it_parts_from_the_model():
     assert list(d.jobs[0].prefix) == [1, 2, 17, 22, 7, 9, 9, 9] and d.stats.hedged_roots == 0
     be, d = first_step([17, 22, 7, 9, 9, 9], alpha_lookup=(0.95, 0.95, 0.95, 0.4, 0.4, 0.4))
     assert list(d.jobs[0].prefix) == [1, 2, 17, 22, 7] and d.stats.hedged_roots == 1
+
+
+def test_a_root_after_a_copy_too_long_to_catch_up_in_the_step_moves_to_where_it_parts():
+    """A miss served a strong 6-token copy: rooted after it, the pre-draft would first
+    evaluate all 6 (a 7-token call, 34 ms here) and no branch fits a 30 ms step, so
+    nothing was planned and the next step missed whatever the target did. Rooted
+    where the copy parts from the model (before its first token: a 1-token catch-up),
+    a tree is ready for the target turning the copy down at once."""
+    from duo_vllm.lookup import Hint
+
+    def step(step_s):
+        be, d = make(auto(), n_ctx=200)
+        d.draft_time = FixedDraftTime(0.010, 0.004)
+        seq = [1, 2, 17, 22]
+        d.propose([ctx(*seq[:-1])], [4], target_step_s=0.03, per_token_s=0.001)
+        d.predraft()
+        # the target's token is 9, which no branch starts with: a miss, served its
+        # strong copy rather than a draft on the spot
+        copy = [30, 31, 32, 33, 34, 35]
+        (draft,) = d.propose([ctx(*seq[:-1], 9)], [4], target_step_s=step_s,
+                             per_token_s=0.001, hints=[Hint(copy, 0.9, 0.9, 0.0)])
+        return be, d, draft
+
+    be, d, draft = step(0.030)
+    assert draft == [] and d.stats.lookup_misses == 1
+    assert len(d.jobs) == 1 and list(d.jobs[0].prefix) == [1, 2, 17, 9]  # before the copy
+    assert d.stats.shorter_roots == 1
+    d.predraft()
+    # the target turned the copy's 30 down and picked the draft's own token: a hit
+    (nxt,) = d.propose([ctx(1, 2, 17, 9, be.next_token(9))], [4], target_step_s=0.03,
+                       per_token_s=0.001)
+    assert nxt and d.stats.predraft_hits >= 1
+    # a long step: the catch-up of the copy and a level fit; rooted after the copy
+    be, d, draft = step(0.080)
+    assert list(d.jobs[0].prefix) == [1, 2, 17, 9, 30, 31, 32, 33, 34, 35]
+    assert d.stats.shorter_roots == 0

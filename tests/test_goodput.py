@@ -5,7 +5,7 @@ import pytest
 from duo_vllm.goodput import (
     Acceptance, DraftTimeModel, StepTimeModel, TargetCost, catch_up_pays, expected_accepted,
     plan_predraft,
-    plan_served, plan_sync, predraft_root, predraft_time, regime, token_alphas,
+    plan_served, plan_sync, predraft_root, predraft_roots, predraft_time, regime, token_alphas,
 )
 
 
@@ -237,6 +237,18 @@ def test_the_pre_draft_is_rooted_where_the_next_step_likelier_starts():
     assert predraft_root(3, 3, 0.8, 0.1) == (3, pytest.approx(0.512))
     # a sure model (α 0.99) and an unsure copy: the model's guess is capped by 1 - α_l
     assert predraft_root(1, 0, 0.99, 0.5)[1] * 0.99 == pytest.approx(0.5)
+
+
+def test_the_other_root_is_offered_second_where_it_is_shorter():
+    # a strong copy: after it first, where it parts second (a shorter catch-up)
+    assert predraft_roots(5, 2, 0.9, 0.95) == [
+        (5, pytest.approx(0.81 * 0.95 ** 3)), (2, pytest.approx(0.81 * 0.05 / 0.9))]
+    # a weak copy: where it parts first; after it second (a longer one: never taken
+    # for want of time)
+    assert [n for n, _ in predraft_roots(5, 2, 0.9, 0.4)] == [2, 5]
+    # nothing copied, or not hedged: one root
+    assert predraft_roots(3, 3, 0.8, 0.1) == [(3, pytest.approx(0.512))]
+    assert len(predraft_roots(5, 2, 0.9, 0.4, hedge=False)) == 1
 
 
 def test_per_token_alphas_of_a_copy():
