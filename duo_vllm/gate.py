@@ -254,8 +254,8 @@ class DraftGate:
             how, rates = "paired", tuple(paired[(key, m)][0] / paired[(key, m)][1]
                                          for m in (True, False))
         r_on, r_off = rates
-        if r_on is None or r_off is None:
-            on = r_on is not None
+        if r_on is None or r_off is None:  # a mode never measured here: as faster_on
+            on = r_on is not None or r_off is None
         else:  # a tie is no evidence: the mode from before the trial stays
             on = r_on * (1 + self.margin) > r_off if not self._mode[b] else \
                 r_on > r_off * (1 + self.margin)
