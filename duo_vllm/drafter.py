@@ -521,6 +521,7 @@ class DuoDrafter:
         policy = self.policy
         if not policy.predrafts:
             return
+        shorter = shorter or {}
         rows = [r for r in rows if len(r.ctx) + len(out[r.row]) + 2 < self.n_ctx]
         roots = [p_served[r.row] for r in rows]
 
@@ -543,11 +544,12 @@ class DuoDrafter:
 
             depths = plan(prefixes, roots)
             swap = [i for i, (r, m) in enumerate(zip(rows, depths))
-                    if m == 0 and not r.background and r.row in (shorter or {})]
+                    if m == 0 and not r.background and r.row in shorter]
             if swap:
-                alt_roots = [shorter[r.row] if i in swap else root
-                             for i, (r, root) in enumerate(zip(rows, roots))]
-                alt_prefixes = [prefix(r, root) for r, root in zip(rows, alt_roots)]
+                alt_roots, alt_prefixes = list(roots), list(prefixes)
+                for i in swap:
+                    alt_roots[i] = shorter[rows[i].row]
+                    alt_prefixes[i] = prefix(rows[i], alt_roots[i])
                 alt = plan(alt_prefixes, alt_roots)
                 if any(alt[i] for i in swap):
                     depths, prefixes = alt, alt_prefixes

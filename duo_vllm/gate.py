@@ -12,6 +12,16 @@ from collections import deque
 from .goodput import batch_bucket
 
 
+def drafting_wins(r_on: float | None, r_off: float | None, margin: float,
+                  tie_on: bool) -> bool:
+    """Is drafting's rate ``r_on`` the faster of the two (``None``: never measured)?
+    Within ``margin`` of each other the two tie, and a tie goes to drafting where
+    ``tie_on``."""
+    if r_on is None or r_off is None:
+        return r_on is not None or r_off is None
+    return r_on * (1 + margin) > r_off if tie_on else r_on > r_off * (1 + margin)
+
+
 class DraftGate:
     """Is drafting faster than plain decoding at this batch size? Measured, not modelled.
 
@@ -253,12 +263,8 @@ class DraftGate:
         else:
             how, rates = "paired", tuple(paired[(key, m)][0] / paired[(key, m)][1]
                                          for m in (True, False))
-        r_on, r_off = rates
-        if r_on is None or r_off is None:  # a mode never measured here: as faster_on
-            on = r_on is not None or r_off is None
-        else:  # a tie is no evidence: the mode from before the trial stays
-            on = r_on * (1 + self.margin) > r_off if not self._mode[b] else \
-                r_on > r_off * (1 + self.margin)
+        # a tie is no evidence: the mode from before the trial (not the one on trial) stays
+        on = drafting_wins(*rates, self.margin, tie_on=not self._mode[b])
         if on:
             self._scope.pop(b, None)  # drafting won: no new trial at the next request
             self._wins.pop(b, None)
@@ -289,11 +295,9 @@ class DraftGate:
                          *(None if r is None else round(r, 1) for r in rates)))
 
     def faster_on(self, b) -> bool:
-        r_on, r_off = self._rate.get((b, True)), self._rate.get((b, False))
-        if r_on is None or r_off is None:
-            return r_on is not None or r_off is None
-        return r_on > r_off * (1 + self.margin) if not self._mode[b] else \
-            r_on * (1 + self.margin) > r_off
+        """Do the recent rates favour drafting (a tie keeps the current mode)?"""
+        return drafting_wins(self._rate.get((b, True)), self._rate.get((b, False)),
+                             self.margin, tie_on=self._mode[b])
 
     def observe(self, batch: int, on: bool, tokens: int, seconds: float,
                 sampled: bool = False, key=None) -> None:

@@ -185,26 +185,11 @@ def predraft_time(depths: Sequence[int], catch_up: Sequence[int],
 
 def predraft_roots(n: int, agree: int, alpha: float, alpha_lookup: float | Sequence[float],
                    hedge: bool = True) -> list[tuple[int, float]]:
-    """:func:`predraft_root`'s candidates, likelier first: after the whole draft, and
-    (with ``hedge``, where a copy parts from the model) where it parts. A root
-    after a long copy needs the copy evaluated first (a catch-up call as wide);
-    where that leaves no room for a branch within the target's step, the
-    shorter root is the one that can be ready."""
-    tail = token_alphas(alpha_lookup, n - agree, agree)
-    end = (n, alpha ** agree * math.prod(tail))
-    if not hedge or agree >= n:
-        return [end]
-    part = (agree, alpha ** agree * min(1.0, (1.0 - token_alphas(alpha_lookup, 1, agree)[0])
-                                        / max(alpha, 1e-9)))
-    return [part, end] if part[1] > end[1] else [end, part]
-
-
-def predraft_root(n: int, agree: int, alpha: float, alpha_lookup: float | Sequence[float],
-                  hedge: bool = True) -> tuple[int, float]:
-    """Where the next step's pre-draft starts, for a request served ``n`` tokens of
-    which the draft model drafted the first ``agree`` itself and a lookup copied
-    the rest (accepted at ``alpha_lookup`` a token, or per token of the copy as
-    :func:`token_alphas` reads it; the model at ``alpha``).
+    """Where the next step's pre-draft may start, likelier first, for a request
+    served ``n`` tokens of which the draft model drafted the first ``agree``
+    itself and a lookup copied the rest (accepted at ``alpha_lookup`` a token,
+    or per token of the copy as :func:`token_alphas` reads it; the model at
+    ``alpha``).
 
     Rooted after the whole draft, its branches are reached when the target
     accepts all of it; rooted where the copy parts from the model, the model's
@@ -214,11 +199,21 @@ def predraft_root(n: int, agree: int, alpha: float, alpha_lookup: float | Sequen
         p_part = α^agree · min(α, 1 - α_l,agree) / α
 
     (each times α is the chance the target's next token then starts the top
-    branch). Returns (tokens of the served draft the root holds, its p), the
-    likelier of the two; after the whole draft without ``hedge`` (a sampled
-    request's drafts are drawn, not copied).
+    branch). Returns [(tokens of the served draft the root holds, its p), ...]:
+    both roots, the likelier first; the root after the whole draft alone
+    without ``hedge`` (a sampled request's drafts are drawn, not copied) or
+    where nothing was copied. A root after a long copy needs the copy
+    evaluated first (a catch-up call as wide); where that leaves no room for a
+    branch within the target's step, the shorter root is the one that can be
+    ready.
     """
-    return predraft_roots(n, agree, alpha, alpha_lookup, hedge)[0]
+    tail = token_alphas(alpha_lookup, n - agree, agree)
+    end = (n, alpha ** agree * math.prod(tail))
+    if not hedge or agree >= n:
+        return [end]
+    part = (agree, alpha ** agree * min(1.0, (1.0 - token_alphas(alpha_lookup, 1, agree)[0])
+                                        / max(alpha, 1e-9)))
+    return [part, end] if part[1] > end[1] else [end, part]
 
 
 def plan_predraft(alphas: Sequence[float], hit_probs: Sequence[float], caps: Sequence[int],

@@ -5,7 +5,7 @@ import pytest
 from duo_vllm.goodput import (
     Acceptance, DraftTimeModel, StepTimeModel, TargetCost, catch_up_pays, expected_accepted,
     plan_predraft,
-    plan_served, plan_sync, predraft_root, predraft_roots, predraft_time, regime, token_alphas,
+    plan_served, plan_sync, predraft_roots, predraft_time, regime, token_alphas,
 )
 
 
@@ -222,6 +222,11 @@ def test_a_catch_up_pays_only_well_within_what_is_left_of_the_request():
     assert not catch_up_pays(300, 0.010, 39, 0.15)
     assert catch_up_pays(300, 0.010, None, 0.15)  # unknown: caught up, as a long request
     assert not catch_up_pays(1, 0.010, 0, 0.15) and catch_up_pays(0, 0.010, 0, 0.15)
+
+
+def predraft_root(*args, **kw):
+    """The likelier root (what the drafter plans where both fit the step)."""
+    return predraft_roots(*args, **kw)[0]
 
 
 def test_the_pre_draft_is_rooted_where_the_next_step_likelier_starts():
