@@ -149,7 +149,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
          "model_tokens_accepted", "busy_s", "prefill_tokens", "predraft_tokens", "sync_tokens",
           "sync_s", "sync_calls", "propose_calls", "lookup_misses", "lent_steps",
           "lend_switches", "matmul_remakes", "drawn_tokens", "lent_prefills", "hedged_roots",
-          "deep_hits", "shorter_roots")}
+          "deep_hits", "shorter_roots", "hedges", "hedge_hits")}
     lengths = {int(n): c - before.get("chosen_lengths", {}).get(n, 0)
                for n, c in after.get("chosen_lengths", {}).items()}
     return {
@@ -179,6 +179,8 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         "hedged_roots": d["hedged_roots"], "deep_hits": d["deep_hits"],
         # of them, rooted there since a root after the copy left no branch room in the step
         "shorter_roots": d["shorter_roots"],
+        # branches on the draft's runner-up, rooted before a served model token; hits on them
+        "hedges": d["hedges"], "hedge_hits": d["hedge_hits"],
         # steps the target ran on the draft's cores too, and switches (duo-lend)
         "lent_steps": d["lent_steps"], "lend_switches": d["lend_switches"],
         "matmul_remakes": d["matmul_remakes"],
@@ -486,7 +488,7 @@ def summarise(results: dict) -> dict:
                     "gate_tokens_per_s", "draft_busy_s", "propose_ms_per_step", "sources", "lookup_rows", "source_alpha",
                     "lent_steps", "lend_switches", "matmul_remakes", "lent_prefills", "drawn_tokens",
                     "gate_log", "predraft_misses", "hedged_roots", "deep_hits",
-                    "shorter_roots")}
+                    "shorter_roots", "hedges", "hedge_hits")}
             if s["temperature"] == 0.0 and key in ref_shapes:
                 mine = [x["token_ids"] for x in rows if x["repeat"] == 0]
                 theirs = [x["token_ids"] for x in ref_shapes[key]["rows"] if x["repeat"] == 0]
@@ -596,7 +598,8 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                          f"{c.get('predraft_misses')}; pre-drafts rooted inside a copied "
                          f"tail {c.get('hedged_roots')} (for want of time in the step "
                          f"{c.get('shorter_roots')}), hits past a branch's first token "
-                         f"{c.get('deep_hits')})"
+                         f"{c.get('deep_hits')}; hedges on the draft's runner-up "
+                         f"{c.get('hedges')}, hits on them {c.get('hedge_hits')})"
                          + (f"; steps on the draft's core too {c['lent_steps']} "
                             f"({c.get('lend_switches')} switches, oneDNN matmuls remade "
                             f"{c.get('matmul_remakes')} times; prompts prefilled on every "

@@ -21,17 +21,18 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .branching import (
-    Branch, Tree, branch_candidates, miss_reason, select_branch, split_budget, top_candidates,
+    Branch, Tree, branch_candidates, miss_reason, runner_up, select_branch, split_budget,
+    top_candidates,
 )
 from .lookup import Hint, serve as serve_rule
 from .goodput import (
     PROBE_EVERY, Acceptance, DraftTimeModel, TargetCost, catch_up_pays, expected_accepted,
-    plan_predraft, plan_served, plan_sync, predraft_roots, regime,
+    hedge_probs, plan_predraft, plan_served, plan_sync, predraft_roots, regime,
 )
 from .sampling import draft_q, sample_q
 from .state import Assignment, Slot, SlotPool, common_prefix_len, pool_window
@@ -66,6 +67,9 @@ class _Job:
     prefix: np.ndarray  # context + the draft just returned
     evals: int  # draft tokens the pre-draft grows for this request (its planned depth)
     temperature: float = 0.0
+    # (root, token, p, evals) each: a branch on the draft's runner-up ``token`` after
+    # ``prefix[:root]``, reached with probability p (goodput.hedge_probs), ``evals`` deep
+    hedges: list = field(default_factory=list)
 
 
 @dataclass
@@ -87,7 +91,7 @@ class _Row:
     @property
     def follow(self) -> int:
         """Tokens of its branch the context already holds (a hit; 1 otherwise)."""
-        return len(self.ctx) - len(self.tree.prefix) if self.branch is not None else 1
+        return len(self.ctx) - self.tree.root_of(self.branch) if self.branch is not None else 1
 
     @property
     def available(self) -> int:
@@ -106,6 +110,7 @@ class DuoDrafter:
     CATCH_UP = 16  # a pre-draft job further behind than this holds a new prompt
     FLOOR_PREFETCH = 4  # after this many steps without drafts, new prompts are not prefilled
     PROBE_CATCH_UP_STEPS = 4  # most target steps of prefill a probe may cost
+    MAX_HEDGES = 2  # hedge branches per request and pre-draft, at most
 
     def __init__(self, backend, max_sequences: int, n_ctx: int, policy: DraftPolicy,
                  window: int | None = None, seed: int | None = None):
@@ -185,6 +190,14 @@ class DuoDrafter:
             return sample_q(*q, self.rng), q
         return int(np.argmax(logits)), None
 
+    def _extend(self, branch: Branch, logits: np.ndarray, temperature: float) -> None:
+        """Grow ``branch`` by the draft token after its last (and keep its q, or, for a
+        greedy request, its runner_up(), where a hedge may root next step)."""
+        tok, q = self._next_token(logits, temperature)
+        branch.tokens.append(tok)
+        branch.q.append(q)
+        branch.alts.append(runner_up(logits, tok) if temperature < 1e-5 else None)
+
     def _sync_slot(self, slot, ctx: np.ndarray) -> int:
         """Make the slot's main sequence hold ``ctx[:keep]``; return keep (< len(ctx))."""
         keep = min(common_prefix_len(slot.tokens, ctx), len(ctx) - 1)
@@ -234,13 +247,16 @@ class DuoDrafter:
         temps = [0.0] * len(contexts) if temperatures is None else [float(x) for x in temperatures]
         out: list[list[int]] = [[] for _ in contexts]
         qs: dict = {}  # row -> the q of each token of its draft, where all were drawn
+        alts: dict = {}  # row -> each token of its draft's runner_up() (greedy rows)
         rows = self._rows(contexts, max_tokens, temps, serve, remaining)
         hits = [r for r in rows if r.branch is not None]
         misses = [r for r in rows if r.branch is None and not r.background]
         served, (chosen, depth) = self._plan_step(len(contexts), hits, misses, cost, hints)
         for r, n in zip(hits, served):
-            out[r.row], qs[r.row] = self._take_branch(r.slot, r.tree, r.branch, n, r.follow)
+            out[r.row], qs[r.row], alts[r.row] = self._take_branch(r.slot, r.tree, r.branch, n,
+                                                                   r.follow)
             st.deep_hits += r.follow > 1
+            st.hedge_hits += r.branch.root is not None
             st.predraft_hits += 1
             if not r.available:  # its branch holds the target's token only: nothing to serve
                 st.misses["shallow"] += 1
@@ -248,7 +264,8 @@ class DuoDrafter:
         if chosen and depth > 0:
             t_sync = time.perf_counter()
             self._draft_chains([(r.row, r.slot, min(depth, r.k), r.temperature)
-                                for r in chosen], {r.row: r.ctx for r in chosen}, out, qs)
+                                for r in chosen], {r.row: r.ctx for r in chosen}, out, qs,
+                               alts)
             st.sync_s += time.perf_counter() - t_sync
             st.sync_calls += 1
         self.live = {r.slot.seq_id for r in rows}
@@ -266,7 +283,10 @@ class DuoDrafter:
             self.floor_streak = 0
         served, p_served, shorter = self._served(rows, out, hints, self.last_q)
         self.expected_step_s = cost.step(sum(len(d) for d in served))
-        self._plan_jobs(rows, served, p_served, cost, len(contexts), shorter)
+        # the runner-ups of the model's tokens served, where a hedge may root
+        model_alts = {r.row: alts[r.row][:_agree(served[r.row], out[r.row])] for r in rows
+                      if r.row in alts and r.temperature < 1e-5}
+        self._plan_jobs(rows, served, p_served, cost, len(contexts), shorter, model_alts)
         st.busy_s += time.perf_counter() - t0
         return out
 
@@ -447,22 +467,23 @@ class DuoDrafter:
 
     def _take_branch(self, slot, tree: Tree, branch: Branch, n: int, follow: int = 1):
         """Adopt a pre-drafted branch as the request's sequence; return ``n`` draft
-        tokens after the ``follow`` the context holds, and their q (None unless each
-        was drawn)."""
-        pos_b = len(tree.prefix)
+        tokens after the ``follow`` the context holds, their q (None unless each
+        was drawn) and their runner_up()."""
+        pos_b = tree.root_of(branch)
         if branch.seq_id != slot.seq_id:
             self.backend.remove(slot.seq_id, pos_b, -1)
             self.backend.copy(branch.seq_id, slot.seq_id, pos_b, -1)
         evaluated = branch.tokens[:-1] if len(branch.tokens) > 1 else []
-        slot.tokens = np.concatenate([tree.prefix, np.asarray(evaluated, dtype=np.int32)])
+        slot.tokens = np.concatenate([tree.prefix[:pos_b], np.asarray(evaluated, dtype=np.int32)])
         self._clear_tree(slot.seq_id)
         draft = list(branch.tokens[follow:follow + n])
-        return draft, branch.drawn(len(draft), follow - 1)
+        return (draft, branch.drawn(len(draft), follow - 1),
+                branch.served_alts(len(draft), follow - 1))
 
-    def _draft_chains(self, misses, contexts: dict, out, qs: dict) -> None:
+    def _draft_chains(self, misses, contexts: dict, out, qs: dict, alts: dict) -> None:
         """Chains from the real contexts (by row, as the slots hold them), all requests
         decoded together: (row, slot, length, temperature) each; the drawn tokens' q
-        go to ``qs``."""
+        go to ``qs``, greedy tokens' runner_up() to ``alts``."""
         live, items = [], []
         for row, slot, n, temp in misses:
             ctx = contexts[row]
@@ -471,7 +492,7 @@ class DuoDrafter:
             self.stats.prefill_tokens += len(ctx) - keep
             slot.tokens = ctx
             live.append([row, slot, n, temp])
-            qs[row] = []
+            qs[row], alts[row] = [], []
         try:
             logits, _ = self._decode(items)
             while live:
@@ -480,6 +501,7 @@ class DuoDrafter:
                     tok, q = self._next_token(lg, temp)
                     out[row].append(tok)
                     qs[row] = None if qs[row] is None or q is None else qs[row] + [q]
+                    alts[row].append(runner_up(lg, tok) if temp < 1e-5 else None)
                     if len(out[row]) < n:
                         tok = out[row][-1]
                         nxt_items.append((slot.seq_id, np.array([tok], dtype=np.int32),
@@ -494,7 +516,7 @@ class DuoDrafter:
         except Exception:
             self._recover([slot for _, slot, _, _ in misses])
             for row, _, _, _ in misses:
-                out[row], qs[row] = [], None
+                out[row], qs[row], alts[row] = [], None, []
 
     def _recover(self, slots) -> None:
         logger.exception("drafting failed; the affected requests get no draft this step")
@@ -505,7 +527,7 @@ class DuoDrafter:
             slot.tokens = np.zeros(0, dtype=np.int32)
 
     def _plan_jobs(self, rows: list[_Row], out, p_served: dict, cost: TargetCost,
-                   batch: int, shorter: dict | None = None) -> None:
+                   batch: int, shorter: dict | None = None, alts: dict | None = None) -> None:
         """The next step's pre-draft: which requests, how deep (the controller's plan).
 
         ``out`` is what each row is served this step; ``p_served`` per row the
@@ -515,6 +537,10 @@ class DuoDrafter:
         the model: taken where the first leaves no branch room in the step (a
         catch-up of the whole copy and one level outlast it), so the next step
         finds a tree for the likelier of the other outcomes rather than none.
+        ``alts`` per greedy row the runner_up() of each model token it is served:
+        where the target may turn one down, a hedge (a branch on the runner-up,
+        rooted before that token) competes for the step's draft time with the
+        roots' branches, by the same worth per second.
         """
         self.jobs = []
         self.planned = set()  # slots with a pre-draft queued for the next step
@@ -523,6 +549,7 @@ class DuoDrafter:
             return
         shorter = shorter or {}
         rows = [r for r in rows if len(r.ctx) + len(out[r.row]) + 2 < self.n_ctx]
+        planned_hedges = [[] for _ in rows]
         roots = [p_served[r.row] for r in rows]
 
         def prefix(r, root):  # the root: the context and the served draft, or a part of it
@@ -532,15 +559,19 @@ class DuoDrafter:
         if policy.budget is not None:
             depths = [policy.budget] * len(rows)
         else:
-            def plan(prefixes, roots):
+            def plan(prefixes, roots, hedges=()):
                 # a background row's prefill runs anyway; its tree is planned as if caught up
                 catch_up = [1 if r.background else
                             max(1, len(p) - common_prefix_len(r.slot.tokens, p))
                             for r, p in zip(rows, prefixes)]
-                return plan_predraft([r.alpha for r in rows],
-                                     [root[1] * r.alpha for r, root in zip(rows, roots)],
-                                     [r.k for r in rows], catch_up, self.expected_step_s,
-                                     self.draft_time, min_gain=cost.per_token * batch / cost.t0)
+                of = [rows[i] for i, _, _, _ in hedges]  # a hedge: no catch-up of its own
+                return plan_predraft([r.alpha for r in rows + of],
+                                     [root[1] * r.alpha for r, root in zip(rows, roots)]
+                                     + [p for *_, p in hedges],
+                                     [r.k for r in rows + of], catch_up + [0] * len(hedges),
+                                     self.expected_step_s, self.draft_time,
+                                     min_gain=cost.per_token * batch / cost.t0,
+                                     owners=[None] * len(rows) + [i for i, *_ in hedges])
 
             depths = plan(prefixes, roots)
             swap = [i for i, (r, m) in enumerate(zip(rows, depths))
@@ -552,8 +583,15 @@ class DuoDrafter:
                     alt_prefixes[i] = prefix(rows[i], alt_roots[i])
                 alt = plan(alt_prefixes, alt_roots)
                 if any(alt[i] for i in swap):
-                    depths, prefixes = alt, alt_prefixes
+                    depths, prefixes, roots = alt, alt_prefixes, alt_roots
                     self.stats.shorter_roots += sum(1 for i in swap if alt[i])
+            hedges = self._hedges(rows, roots, alts or {})
+            if hedges:
+                both = plan(prefixes, roots, hedges)
+                depths = both[:len(rows)]
+                for (i, root, tok, p), m in zip(hedges, both[len(rows):]):
+                    if m and depths[i]:  # a hedge rides on its request's pre-draft
+                        planned_hedges[i].append((len(rows[i].ctx) + root, tok, p, m))
             for i, r in enumerate(rows):
                 # a probe: acceptance may have risen since. Not of a row that would first
                 # need a prefill longer than PROBE_CATCH_UP_STEPS target steps (a prompt
@@ -570,11 +608,28 @@ class DuoDrafter:
                         r.catch_up, self.prefill_s.get(0.006), r.remaining, cost.t0):
                     depths[i] = 0
                     self.stats.short_lived += 1
-        for r, p, m in zip(rows, prefixes, depths):
+        for r, p, m, h in zip(rows, prefixes, depths, planned_hedges):
             if m > 0:  # a request planned no draft is not even caught up
-                self.jobs.append(_Job(r.slot.seq_id, p, m, r.temperature))
+                self.jobs.append(_Job(r.slot.seq_id, p, m, r.temperature, h))
                 self.stats.hedged_roots += len(p) < len(r.ctx) + len(out[r.row])
+                self.stats.hedges += len(h)
         self.planned = {job.slot_id for job in self.jobs}
+
+    def _hedges(self, rows: list[_Row], roots, alts: dict) -> list[tuple[int, int, int, float]]:
+        """Hedge candidates, (row index, served tokens before it, runner-up, p) each: per
+        greedy request caught up, at most ``MAX_HEDGES`` (and branch sequences to spare),
+        the likeliest, at model tokens its root holds."""
+        out = []
+        room = min(self.MAX_HEDGES, self.n_extra) if self.policy.multi_sequence else 0
+        for i, (r, root) in enumerate(zip(rows, roots)):
+            a = alts.get(r.row)
+            if not a or not room or r.background:
+                continue
+            a = a[:root[0]]
+            best = sorted(((p, j) for j, p in enumerate(hedge_probs(r.alpha, a)) if p > 0),
+                          reverse=True)[:room]
+            out += [(i, j, a[j][0], p) for p, j in best]
+        return out
 
     # -- ahead of time, while vLLM verifies ------------------------------------
     def deadline_after(self, returned_at: float) -> float | None:
@@ -681,26 +736,38 @@ class DuoDrafter:
         jobs, slots, trees, tops = ([x[i] for i in grow] for x in (jobs, slots, trees, tops))
         if not jobs:
             return
-        if stop(len(jobs)):
+        if stop(len(jobs) + sum(len(job.hedges) for job in jobs)):
             st.interrupted += 1
             return
-        # 2. evaluate the top-1 candidate: its successor, and p2 for the θ rule
+        # 2. evaluate the top-1 candidate: its successor, and p2 for the θ rule; and each
+        #    hedge's first token (the branch sequences after the θ rule's are theirs)
         items = [(slot.seq_id, np.array(tree.branches[0].tokens, dtype=np.int32),
                   len(tree.prefix)) for slot, tree in zip(slots, trees)]
+        hedges = []
+        for job, slot in zip(jobs, slots):
+            mine = []
+            for h, (root, tok, p, evals) in enumerate(job.hedges):
+                seq = self._branch_seq(slot.seq_id, self.n_extra - h)
+                self.backend.remove(seq, 0, -1)
+                self.backend.copy(slot.seq_id, seq, 0, root)
+                mine.append((Branch([tok], p, seq, root=root), evals))
+                items.append((seq, np.array([tok], dtype=np.int32), root))
+            hedges.append(mine)
         logits, n = self._decode(items)
         st.predraft_tokens += n
+        hedge_logits = iter(logits[len(jobs):])
         evals_left = []
-        for job, slot, tree, (ids, probs), lg in zip(jobs, slots, trees, tops, logits):
+        for job, slot, tree, (ids, probs), lg, mine in zip(jobs, slots, trees, tops, logits,
+                                                            hedges):
             main = tree.branches[0]
             slot.tokens = np.append(slot.tokens, np.int32(main.tokens[0]))
             if policy.multi_sequence and self.n_extra:
                 p2_ids, p2_probs = top_candidates(_tempered(lg, job.temperature), 1)
-                first = branch_candidates(ids, probs, float(p2_probs[0]), policy.max_branches)
+                first = branch_candidates(ids, probs, float(p2_probs[0]),
+                                          policy.max_branches - len(mine))
             else:
                 first = [main.tokens[0]]
-            tok, q = self._next_token(lg, job.temperature)
-            main.tokens.append(tok)
-            main.q.append(q)
+            self._extend(main, lg, job.temperature)
             weights = [float(probs[list(ids).index(t)]) for t in first]
             alloc = split_budget(job.evals, weights, cap=policy.k,
                                  alpha=self.acceptance.alpha(slot.seq_id,
@@ -716,6 +783,10 @@ class DuoDrafter:
                 tree.branches.append(Branch([tok], w, seq))
                 left.append(a)
             st.branch_counts[len(tree.branches)] += 1
+            for br, evals in mine:
+                self._extend(br, next(hedge_logits), job.temperature)
+                tree.branches.append(br)
+                left.append(evals - 1)
             evals_left.append(left)
         # 3. extend every branch greedily, all branches of all requests in one decode
         while True:
@@ -724,7 +795,7 @@ class DuoDrafter:
                 for j, br in enumerate(tree.branches):
                     if left[j] <= 0:
                         continue
-                    pos = len(tree.prefix) + len(br.tokens) - 1
+                    pos = tree.root_of(br) + len(br.tokens) - 1
                     if pos + 2 >= self.n_ctx:
                         left[j] = 0
                         continue
@@ -740,9 +811,7 @@ class DuoDrafter:
             for (br, left, j, slot, temp), lg in zip(owners, logits):
                 if br.seq_id == slot.seq_id:
                     slot.tokens = np.append(slot.tokens, np.int32(br.tokens[-1]))
-                tok, q = self._next_token(lg, temp)
-                br.tokens.append(tok)
-                br.q.append(q)
+                self._extend(br, lg, temp)
                 left[j] -= 1
 
 
@@ -763,3 +832,13 @@ def lookup_fallback(hint: Hint | None) -> tuple[float, int]:
 def _tempered(logits: np.ndarray, temperature: float) -> np.ndarray:
     """The logits a request samples from: scaled by its temperature (greedy: as they are)."""
     return logits if temperature < 1e-5 else logits / np.float32(temperature)
+
+
+def _agree(a, b) -> int:
+    """How many leading tokens two drafts share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -53,6 +53,9 @@ class DraftStats:
     deep_hits: int = 0  # hits on a branch the context follows for more than its first token
     # pre-drafts rooted where a copy parts from the model: after it, no branch fitted the step
     shorter_roots: int = 0
+    # hedges: branches rooted before a served model token, on the draft's runner-up there
+    hedges: int = 0
+    hedge_hits: int = 0  # hits on a hedge (the target turned the token down for it)
     errors: int = 0
     busy_s: float = 0.0
     sync_s: float = 0.0  # drafting on the spot while vLLM waited
@@ -92,6 +95,8 @@ class DraftStats:
             "hedged_roots": self.hedged_roots,
             "deep_hits": self.deep_hits,
             "shorter_roots": self.shorter_roots,
+            "hedges": self.hedges,
+            "hedge_hits": self.hedge_hits,
             "errors": self.errors,
             "busy_fraction": self.busy_s / wall if wall > 0 else 0.0,
             "busy_s": self.busy_s,

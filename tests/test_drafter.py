@@ -828,3 +828,50 @@ def test_a_root_after_a_copy_too_long_to_catch_up_in_the_step_moves_to_where_it_
     be, d, draft = step(0.080)
     assert list(d.jobs[0].prefix) == [1, 2, 17, 9, 30, 31, 32, 33, 34, 35]
     assert d.stats.shorter_roots == 0
+
+
+def test_a_hedge_is_ready_where_the_target_turns_the_drafts_first_token_down():
+    """The draft is unsure after 9 (5: p .39, 6: p .26). Served [5, ...], the pre-draft
+    hedges: a branch on 6 rooted before the 5. The target turns the 5 down for 6: the
+    hedge is a hit, its draft served with nothing evaluated while vLLM waits, and the
+    request's sequence is the hedge's from then on."""
+    from duo_vllm.goodput import Acceptance
+
+    be = FakeBackend(spread={9: {5: 4.0, 6: 3.6}})
+    _, d = make(auto(multi_sequence=True), backend=be)
+    d.acceptance = Acceptance(prior={"greedy": 0.6, "sampled": 0.5})
+    d.draft_time = FixedDraftTime(0.010)
+    (draft,) = d.propose([ctx(1, 2, 9)], [4], target_step_s=0.05, per_token_s=0.002)
+    assert draft[0] == 5
+    (job,) = d.jobs
+    assert [(root, tok) for root, tok, _, _ in job.hedges] == [(3, 6)]
+    assert d.stats.hedges == 1
+    d.predraft()
+    hedge = d.trees[0].branches[-1]
+    assert hedge.root == 3 and hedge.tokens[:2] == [6, be.next_token(6)]
+    be.evaluated.clear()
+    (draft2,) = d.propose([ctx(1, 2, 9, 6)], [4], target_step_s=0.05, per_token_s=0.002)
+    assert draft2 and draft2 == be.chain(6, len(draft2))
+    assert be.evaluated == [] and d.stats.hedge_hits == 1 and d.stats.predraft_hits == 1
+    assert be.seqs[0][:4] == [1, 2, 9, 6]
+    # and on from there, the sequence in step with the context (here the turned-down
+    # token lowered α and nothing was pre-drafted: drafted on the spot)
+    d.predraft()
+    nxt = ctx(1, 2, 9, 6, *draft2, be.next_token(draft2[-1]))
+    (draft3,) = d.propose([nxt], [4], target_step_s=0.05, per_token_s=0.002)
+    assert draft3 and draft3 == be.chain(int(nxt[-1]), len(draft3))
+    assert be.seqs[0][:len(nxt)] == list(nxt)
+
+
+def test_no_hedge_for_a_confident_draft_or_a_sampled_request():
+    be = FakeBackend()  # p ≈ .98 for every draft token: a hedge is worth nothing
+    _, d = make(auto(multi_sequence=True), backend=be)
+    d.draft_time = FixedDraftTime(0.010)
+    d.propose([ctx(1, 2, 9)], [4], target_step_s=0.05, per_token_s=0.002)
+    assert d.jobs and not d.jobs[0].hedges
+    be = FakeBackend(spread={9: {5: 4.0, 6: 3.6}})
+    _, d = make(auto(multi_sequence=True), backend=be)
+    d.draft_time = FixedDraftTime(0.010)
+    d.propose([ctx(1, 2, 9)], [4], target_step_s=0.05, per_token_s=0.002,
+              temperatures=[0.7])
+    assert all(not job.hedges for job in d.jobs) and d.stats.hedges == 0

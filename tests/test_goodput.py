@@ -4,7 +4,7 @@ import pytest
 
 from duo_vllm.goodput import (
     Acceptance, DraftTimeModel, StepTimeModel, TargetCost, catch_up_pays, expected_accepted,
-    plan_predraft,
+    hedge_probs, plan_predraft,
     plan_served, plan_sync, predraft_roots, predraft_time, regime, token_alphas,
 )
 
@@ -121,6 +121,46 @@ def test_predraft_fits_the_target_step_and_favours_likely_hits():
     assert plan_predraft([0.9], [0.8], [4], [1], 1.0, d, min_gain=0.95) == [0]
     # no time at all: nothing
     assert plan_predraft([0.9], [0.8], [4], [1], 0.005, d, min_gain=0.0) == [0]
+
+
+def test_hedge_probabilities_read_like_the_equation():
+    # P(c_j) = α^j (1 - α) min(1, q(c_j) / (1 - q(d_j)))
+    a = 0.7
+    probs = hedge_probs(a, [(11, 0.2, 0.6), None, (13, 0.3, 0.6), (14, 0.5, 0.5)])
+    assert probs[0] == pytest.approx(0.3 * 0.2 / 0.4)
+    assert probs[1] == 0.0  # no runner-up kept there
+    assert probs[2] == pytest.approx(a ** 2 * 0.3 * 0.3 / 0.4)
+    assert probs[3] == pytest.approx(a ** 3 * 0.3)  # all the leftover mass: capped at 1
+    # a confident draft hedges little: the target rarely turns its token down
+    assert hedge_probs(0.95, [(11, 0.2, 0.6)])[0] < probs[0]
+
+
+def test_a_hedge_has_no_catch_up_and_joins_the_first_level():
+    d = per_call(10.0, 5.0)
+    # a root (catch-up 1) 2 deep and a hedge 1 deep: catch-up 10, level 1 of width 2
+    # (15), level 2 of width 1 (10)
+    assert predraft_time([2, 1], [1, 0], d) == pytest.approx(0.035)
+    assert predraft_time([0, 1], [1, 0], d) == pytest.approx(0.010)  # the hedge alone
+
+
+def test_the_pre_draft_hedges_where_the_target_likely_turns_a_token_down():
+    """An unsure request: its root after the whole draft is reached 40% of the time
+    (its first branch token then taken 60%: .24), a hedge on the runner-up of the
+    draft's first token 30% of the time. Once the root's first level is planned
+    (.24 · .6 = .144, 20 ms), the hedge's tokens (.18, then .108, each 5-10 ms more)
+    beat the root's second (.086, 10 ms): within 36 ms, the root 1 deep and the
+    hedge 2. A confident request (the root .81, a hedge 4%) spends it on the root."""
+    d = per_call(10.0, 5.0)
+    plan = plan_predraft([0.6, 0.6], [0.4 * 0.6, 0.3], [4, 4], [1, 0], 0.036, d,
+                         min_gain=0.05, owners=[None, 0])
+    assert plan == [1, 2]
+    assert predraft_time(plan, [1, 0], d) == pytest.approx(0.035)
+    plan = plan_predraft([0.9, 0.9], [0.9 * 0.9, 0.04], [4, 4], [1, 0], 0.036, d,
+                         min_gain=0.05, owners=[None, 0])
+    assert plan == [2, 0]
+    # a hedge rides on its request's pre-draft: with no room for that, none
+    assert plan_predraft([0.6, 0.6], [0.24, 0.3], [4, 4], [1, 0], 0.015, d,
+                         min_gain=0.05, owners=[None, 0]) == [0, 0]
 
 
 def test_step_time_model_recovers_a_linear_cost():
