@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .state import common_prefix_len
+
 TOP_K = 8
 
 
@@ -164,9 +166,7 @@ def select_branch(tree: Tree | None, context: np.ndarray) -> Branch | None:
     """
     if tree is None:
         return None
-    n = min(len(context), len(tree.prefix))
-    differ = np.flatnonzero(context[:n] != tree.prefix[:n])
-    same = int(differ[0]) if len(differ) else n  # the context's tokens the prefix holds
+    same = common_prefix_len(context, tree.prefix)  # the context's tokens the prefix holds
     for br in tree.branches:
         root = tree.root_of(br)
         follow = len(context) - root

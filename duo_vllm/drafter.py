@@ -119,6 +119,10 @@ class DuoDrafter:
         self.last_q: list = []  # each row's q of its last draft (None: not drawn)
         self.pool = SlotPool(max_sequences, window=pool_window(window, n_ctx))
         self.n_extra = max(policy.max_branches - 1, 0)
+        # hedges need the controller's pre-draft and branch sequences to spare: only
+        # then is each greedy token's runner_up() kept (a vocabulary pass per token)
+        self.hedging = (policy.predrafts and policy.budget is None and policy.multi_sequence
+                        and self.n_extra > 0)
         self.trees: dict[int, Tree] = {}
         self.last_draft: dict[int, tuple[int, list[int], str]] = {}
         self.jobs: list[_Job] = []
@@ -196,7 +200,8 @@ class DuoDrafter:
         tok, q = self._next_token(logits, temperature)
         branch.tokens.append(tok)
         branch.q.append(q)
-        branch.alts.append(runner_up(logits, tok) if temperature < 1e-5 else None)
+        branch.alts.append(runner_up(logits, tok) if self.hedging and temperature < 1e-5
+                           else None)
 
     def _sync_slot(self, slot, ctx: np.ndarray) -> int:
         """Make the slot's main sequence hold ``ctx[:keep]``; return keep (< len(ctx))."""
@@ -284,8 +289,9 @@ class DuoDrafter:
         served, p_served, shorter = self._served(rows, out, hints, self.last_q)
         self.expected_step_s = cost.step(sum(len(d) for d in served))
         # the runner-ups of the model's tokens served, where a hedge may root
-        model_alts = {r.row: alts[r.row][:_agree(served[r.row], out[r.row])] for r in rows
-                      if r.row in alts and r.temperature < 1e-5}
+        model_alts = {r.row: alts[r.row][:common_prefix_len(np.asarray(served[r.row]),
+                                                            np.asarray(out[r.row]))]
+                      for r in rows if r.row in alts and r.temperature < 1e-5}
         self._plan_jobs(rows, served, p_served, cost, len(contexts), shorter, model_alts)
         st.busy_s += time.perf_counter() - t0
         return out
@@ -501,7 +507,8 @@ class DuoDrafter:
                     tok, q = self._next_token(lg, temp)
                     out[row].append(tok)
                     qs[row] = None if qs[row] is None or q is None else qs[row] + [q]
-                    alts[row].append(runner_up(lg, tok) if temp < 1e-5 else None)
+                    alts[row].append(runner_up(lg, tok) if self.hedging and temp < 1e-5
+                                     else None)
                     if len(out[row]) < n:
                         tok = out[row][-1]
                         nxt_items.append((slot.seq_id, np.array([tok], dtype=np.int32),
@@ -620,7 +627,7 @@ class DuoDrafter:
         greedy request caught up, at most ``MAX_HEDGES`` (and branch sequences to spare),
         the likeliest, at model tokens its root holds."""
         out = []
-        room = min(self.MAX_HEDGES, self.n_extra) if self.policy.multi_sequence else 0
+        room = min(self.MAX_HEDGES, self.n_extra) if self.hedging else 0
         for i, (r, root) in enumerate(zip(rows, roots)):
             a = alts.get(r.row)
             if not a or not room or r.background:
@@ -833,12 +840,3 @@ def _tempered(logits: np.ndarray, temperature: float) -> np.ndarray:
     """The logits a request samples from: scaled by its temperature (greedy: as they are)."""
     return logits if temperature < 1e-5 else logits / np.float32(temperature)
 
-
-def _agree(a, b) -> int:
-    """How many leading tokens two drafts share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
