@@ -148,7 +148,8 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
          "lookup_tokens_served", "lookup_tokens_accepted", "model_tokens_served",
          "model_tokens_accepted", "busy_s", "prefill_tokens", "predraft_tokens", "sync_tokens",
           "sync_s", "sync_calls", "propose_calls", "lookup_misses", "lent_steps",
-          "lend_switches", "matmul_remakes", "drawn_tokens", "lent_prefills", "hedged_roots",
+          "lend_switches", "matmul_remakes", "matmul_remakes_skipped", "drawn_tokens",
+          "lent_prefills", "hedged_roots",
           "deep_hits", "shorter_roots", "hedges", "hedge_hits")}
     lengths = {int(n): c - before.get("chosen_lengths", {}).get(n, 0)
                for n, c in after.get("chosen_lengths", {}).items()}
@@ -184,6 +185,8 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         # steps the target ran on the draft's cores too, and switches (duo-lend)
         "lent_steps": d["lent_steps"], "lend_switches": d["lend_switches"],
         "matmul_remakes": d["matmul_remakes"],
+        # lent prompt steps left on matmuls made for fewer threads (a remake would not pay)
+        "matmul_remakes_skipped": d["matmul_remakes_skipped"],
         "lent_prefills": d["lent_prefills"],  # long prompts prefilled on every core
         "drawn_tokens": d["drawn_tokens"],  # served with their q (sampled drafts)
         "sync_ms_per_draft_step": 1e3 * d["sync_s"] / d["propose_calls"] if d["propose_calls"] else None,
@@ -486,7 +489,8 @@ def summarise(results: dict) -> dict:
                     "acceptance", "propose_wait_ms", "lock_wait_ms", "actor_propose_ms", "sync_calls",
                     "lookup_misses", "sync_ms_per_draft_step", "gate_plain_steps", "gate_no_draft_steps",
                     "gate_tokens_per_s", "draft_busy_s", "propose_ms_per_step", "sources", "lookup_rows", "source_alpha",
-                    "lent_steps", "lend_switches", "matmul_remakes", "lent_prefills", "drawn_tokens",
+                    "lent_steps", "lend_switches", "matmul_remakes", "matmul_remakes_skipped",
+                    "lent_prefills", "drawn_tokens",
                     "gate_log", "predraft_misses", "hedged_roots", "deep_hits",
                     "shorter_roots", "hedges", "hedge_hits")}
             if s["temperature"] == 0.0 and key in ref_shapes:
@@ -582,7 +586,8 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                          f"{c.get('gate_no_draft_steps')}), propose() "
                          f"{_f(c.get('propose_ms_per_step'), '{:.1f}')} ms/step, draft core busy "
                          f"{_f(c.get('draft_busy_s'), '{:.1f}')} s (measured "
-                         f"tokens/s by batch bucket {_rates(c.get('gate_tokens_per_s'))}), "
+                         f"tokens/s by batch bucket, per request times the bucket's "
+                         f"smallest batch {_rates(c.get('gate_tokens_per_s'))}), "
                          f"rows without a slot {c['no_slot']}, probes {c['probes']}, rows "
                          f"not caught up (they would end first) {c.get('short_lived', 0)}; "
                          f"measured: draft call ms by width {{{widths}}}, target step ms "
@@ -602,7 +607,8 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                          f"{c.get('hedges')}, hits on them {c.get('hedge_hits')})"
                          + (f"; steps on the draft's core too {c['lent_steps']} "
                             f"({c.get('lend_switches')} switches, oneDNN matmuls remade "
-                            f"{c.get('matmul_remakes')} times; prompts prefilled on every "
+                            f"{c.get('matmul_remakes')} times, not remade for a prompt "
+                            f"{c.get('matmul_remakes_skipped')}; prompts prefilled on every "
                             f"core {c.get('lent_prefills')})" if c.get("lent_steps") else ""))
             src = c.get("sources") or {}
             if src.get("lookup", {}).get("served") or c.get("lookup_rows"):

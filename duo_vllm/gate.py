@@ -32,7 +32,12 @@ class DraftGate:
     took across the mode's recent steps (sums that decay by ``1 - weight``
     a step: a ratio of sums, not an average of per-step ratios, so a short
     run of slow steps weighs what it cost), and drafts only while on is the
-    faster of the two. Each mode runs
+    faster of the two. A step's tokens count per request, times the bucket's
+    smallest batch size (a step of 9 requests in bucket 8-15 counts 8/9 of
+    its tokens): plain decoding makes 185 tokens/s at batch 9 and 228 at 12
+    here, so a trial that runs as a batch drains would otherwise be judged
+    against a mode measured wider (lookups at 12-15 once "beat" plain
+    decoding at 9 by 34%, at the same speed per request). Each mode runs
     ``trial_steps`` before it is judged (the first ``warmup_steps`` after
     turning drafting on are not counted: the draft catches up), and the
     slower mode is tried again every ``retry_every`` steps of the bucket, so
@@ -45,8 +50,12 @@ class DraftGate:
     a new long prompt, say) does not turn drafting off until the next trial.
     A trial the traffic leaves (its batch size not seen again within
     ``abandon_after`` trial lengths of steps, as batch 16 drains to batch 8-15 in
-    a few dozen steps) is abandoned: its bucket goes back to the mode before it
-    and waits a retry interval, rather than keep the mode on trial for good.
+    a few dozen steps) ends there: where it measured at least ``judge_after`` of a
+    trial length of steps it is judged on its rates like any trial (plain
+    decoding's trial at batch 16 once measured 236 against lookups' 228 tokens/s
+    over 7 steps, was dropped, and lookups held the next burst at 0.86x plain
+    vLLM); where it measured less its bucket goes back to the mode before it. Either
+    way the bucket waits a retry interval, rather than keep the mode on trial for good.
 
     Steps that carry a ``key`` (the proposer passes the request at batch 1)
     are also summed per key: a trial is judged against the other mode on the
@@ -79,9 +88,10 @@ class DraftGate:
 
     def __init__(self, trial_steps: int = 32, warmup_steps: int = 8, retry_every: int = 256,
                  margin: float = 0.02, weight: float = 0.05, reach: int | None = 2,
-                 paired_steps: int = 8, abandon_after: int = 4):
+                 paired_steps: int = 8, abandon_after: int = 4, judge_after: float = 0.25):
         self.reach = reach  # buckets up that a win carries to a new bucket (None: any)
         self.abandon_after = abandon_after  # trial lengths of steps, of any batch size
+        self.judge_after = judge_after  # the share of a trial a left trial is judged on
         self._steps = 0  # steps seen, all buckets
         self._trial_at: dict = {}  # bucket -> self._steps when its trial began
         self._abandoned_at: dict = {}  # bucket -> its step when its last trial was abandoned
@@ -199,13 +209,21 @@ class DraftGate:
         return False
 
     def _abandon(self, b) -> None:
-        """The traffic left bucket ``b`` during its trial: back to the mode before it."""
-        before = not self._trying.pop(b)
-        self._pairing.pop(b, None)
-        self._mode[b], self._run[b] = before, 0
-        self._paired.pop(b, None)
+        """The traffic left bucket ``b`` during its trial: judged on the rates where the
+        trial measured enough steps (``judge_after``), else back to the mode before it."""
+        tried = self._trying[b]
+        measured = self._run.get(b, 0) - (self.warmup_steps if tried else 0)
+        if (b, tried) in self._rate and measured >= self.judge_after * self.trial_steps:
+            self._paired.pop(b, None)  # the rates: the trial's requests are gone
+            on = self._verdict(b)
+            self._trying.pop(b)
+        else:
+            on = not self._trying.pop(b)
+            self._pairing.pop(b, None)
+            self._paired.pop(b, None)
+            self._note(b, on, "abandoned")
+        self._mode[b], self._run[b] = on, 0
         self._abandoned_at[b] = self._clock[b]
-        self._note(b, before, "abandoned")
 
     def trying(self, batch: int, sampled: bool = False) -> bool:
         """Is a retried mode on trial at this batch size (its steps are measured as that
@@ -308,6 +326,7 @@ class DraftGate:
         b = self.bucket(batch, sampled)
         if on and self._mode.get(b) and self._run.get(b, 0) <= self.warmup_steps:
             return  # the draft is catching up: not yet what drafting gives
+        tokens *= (1 << b[0]) / batch  # per request, at the bucket's smallest batch size
         if key is not None:
             paired = self._paired.setdefault(b, {})
             if (key, on) not in paired and len(paired) >= 8:  # keep the last few requests'

@@ -107,6 +107,23 @@ def lend_prefill(target_tokens: int, draft_tokens: int, drafting: int, full: int
     return target_tokens * (1 - drafting / full) >= draft_tokens
 
 
+def remake_pays(prefill_tokens: int, per_token_s: float, drafting: int, full: int,
+                remake_s: float) -> bool:
+    """Remake the target's matmuls before a lent step that would reuse one made on fewer
+    threads (:class:`MatmulPrimitives`)?
+
+    A decode step's row count comes back step after step: yes. A step with
+    ``prefill_tokens`` prompt tokens (a new prompt, a chunk of one) runs its row
+    count once: on ``drafting`` threads it takes ``n·c`` (``c = per_token_s``, a
+    token on those threads), on all ``full`` threads ``n·c·drafting/full``, so
+    the remake (``remake_s``, measured) pays where ``n·c·(1 - drafting/full)``
+    exceeds it: a prompt of a few hundred tokens does not repay 0.3-0.5 s.
+    """
+    if prefill_tokens <= 0:
+        return True
+    return prefill_tokens * per_token_s * (1 - drafting / full) > remake_s
+
+
 class TargetThreads:
     """The target's OpenMP thread count, switched between steps in vLLM's worker
     thread (the one that runs the model). ``setter`` is ``torch``'s by default."""
@@ -249,6 +266,7 @@ class MatmulPrimitives:
         # half of them made up front: room for the steps' other shapes
         self.warm_rows = min(warm_rows, self.rows_held // 2)
         self.refreshes = 0
+        self.skipped = 0  # lent steps that ran a primitive made on fewer threads (not worth it)
         # the caches as the steps since the last refresh left them, an LRU like vLLM's:
         # token rows -> whether its primitive was made on every thread
         self.made: OrderedDict[int, bool] = OrderedDict()
@@ -258,11 +276,16 @@ class MatmulPrimitives:
         threads?"""
         return self.made.get(rows) is False
 
-    def before_step(self, rows: int, lent: bool) -> bool:
+    def before_step(self, rows: int, lent: bool, remake: bool = True) -> bool:
         """The target is about to run a step of ``rows`` token rows through its linear
         layers, on every thread (``lent``) or fewer. Empties the caches first where
-        the step would reuse a primitive made on fewer threads (True)."""
+        the step would reuse a primitive made on fewer threads (True), unless that
+        does not pay (``remake`` False, :func:`remake_pays`): the step then runs it on
+        fewer threads, and it stays marked as made on fewer."""
         refresh = lent and self.needs_refresh(rows)
+        if refresh and not remake:
+            self.skipped += 1
+            refresh = False
         if refresh:
             self.refresh()
         if rows in self.made:  # a hit keeps the primitive, whatever the threads now

@@ -25,7 +25,7 @@ from .delta import DeltaSender
 from .drafts_out import attach_drafts
 from .gate import DraftGate, LookupGate
 from .lending import (WARM_ROWS, MatmulPrimitives, TargetThreads, bind_order, lend_plan,
-                      lend_prefill)
+                      lend_prefill, remake_pays)
 from .goodput import StepTimeModel
 from .lookup import LOOKUP, MODEL, ContextLookup, Hint, serve
 from .models import ModelNotFoundError, default_draft_gguf
@@ -50,6 +50,11 @@ def _vllm_logger(name: str) -> logging.Logger:
 
 
 logger = _vllm_logger("duo_vllm.proposer")
+# a remake of the target's oneDNN matmuls before it is measured (0.3-0.5 s measured in
+# vLLM's worker, 2-core VMs), and the weight of each measurement
+REMAKE_S, REMAKE_WEIGHT = 0.4, 0.3
+# a prompt token on the target's own threads before its step time is measured
+PREFILL_TOKEN_S = 0.0015
 # the most a lend waits for the draft's decode call under way (one call: 10-60 ms here)
 PAUSE_WAIT_S = 0.25
 
@@ -254,6 +259,7 @@ class DuoProposer:
         self._threads: TargetThreads | None = None
         self._primitives: MatmulPrimitives | None = None  # the target's, remade at lends
         self._remaking = False  # the primitives are remade (not since a failure)
+        self._remake_s = REMAKE_S  # a remake's time, measured (EMA)
         self._hooked = False  # vLLM's steps reach on_new_requests and before_step
         self._engine_place: EngineCorePlace | None = None  # vLLM's engine core, with lending
         self._step_q = None  # (rows, drafts, their q) of the last step's drafted rows
@@ -762,6 +768,8 @@ class DuoProposer:
             "lent_prefills": self.lent_prefills,
             "seeded_rows": self.seeded_rows,
             "matmul_remakes": self._primitives.refreshes if self._primitives else 0,
+            # lent prompt steps left on matmuls made for fewer threads: a remake would not pay
+            "matmul_remakes_skipped": self._primitives.skipped if self._primitives else 0,
             "target_step_ms_by_batch": {
                 b: 1e3 * self.step_time.cost(b).t0 for b in self.step_time.batch_sizes()},
             **(self.lookup.summary() if self.lookup is not None else {}),
@@ -836,20 +844,30 @@ class DuoProposer:
                         "before a lent step that would reuse one made on fewer threads"
                         if self._hooked else "at each lend")
 
-    def before_step(self, tokens: int) -> None:
-        """vLLM is about to run a step of ``tokens`` token rows (the new-request hook,
-        every step, after any lend): a lending target's matmuls are remade first
-        where the step would reuse one made on fewer threads."""
+    def before_step(self, tokens: int, prefill: int = 0) -> None:
+        """vLLM is about to run a step of ``tokens`` token rows, ``prefill`` of them
+        prompt tokens (the new-request hook, every step, after any lend): a lending
+        target's matmuls are remade first where the step would reuse one made on fewer
+        threads, and where that pays (:func:`remake_pays`)."""
         if self._primitives is not None and self._threads is not None and self._remaking:
-            self._remake_primitives(tokens)
+            self._remake_primitives(tokens, prefill)
 
-    def _remake_primitives(self, tokens: int | None = None) -> None:
+    def _remake_pays(self, prefill: int) -> bool:
+        """Would remaking the matmuls before a lent step of ``prefill`` prompt tokens repay
+        its measured cost?"""
+        per_token = self.step_time.per_token()  # a token on the target's own threads
+        return remake_pays(prefill, PREFILL_TOKEN_S if per_token is None else per_token,
+                           self._threads.drafting, self._threads.full, self._remake_s)
+
+    def _remake_primitives(self, tokens: int | None = None, prefill: int = 0) -> None:
         t0 = time.perf_counter()
         try:
             if tokens is None:
                 self._primitives.refresh()
-            elif not self._primitives.before_step(tokens, self._threads.lent):
+            elif not self._primitives.before_step(
+                    tokens, self._threads.lent, prefill <= 0 or self._remake_pays(prefill)):
                 return
+            self._remake_s += REMAKE_WEIGHT * (time.perf_counter() - t0 - self._remake_s)
         except Exception as e:  # never the step's failure: lent steps may be slower
             self._threads.on_lend, self._remaking = None, False
             logger.warning("DuoProposer: remaking the target's oneDNN matmuls failed (%s); "

@@ -143,6 +143,14 @@ def _report_missing_proposer(runner) -> None:
         if getattr(drafter, "user_proposer", None) is not None else "", supported_text())
 
 
+def prompt_tokens(scheduler_output) -> int:
+    """A step's token rows beyond one per request and its draft tokens: its prompts'
+    tokens (a whole prompt or a chunk of one; 0 for a decode step)."""
+    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+    return sum(max(0, int(n) - 1 - len(spec.get(r, ()))) for r, n in scheduled.items())
+
+
 def with_new_request_hook(update_states):
     """Wrap a model runner's ``_update_states`` to call the proposer's ``on_new_requests``.
 
@@ -170,8 +178,8 @@ def with_new_request_hook(update_states):
                     proposer.on_new_requests(new_reqs, batch=batch)
                 before = getattr(proposer, "before_step", None)
                 tokens = getattr(scheduler_output, "total_num_scheduled_tokens", None)
-                if before is not None and tokens:
-                    before(int(tokens))  # on the threads it will run on (lending)
+                if before is not None and tokens:  # on the threads it will run on (lending)
+                    before(int(tokens), prefill=prompt_tokens(scheduler_output))
             except Exception:
                 logger.exception("duo_vllm: the new-request hook failed; the step goes on")
         return update_states(self, scheduler_output, *args, **kwargs)

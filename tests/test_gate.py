@@ -342,6 +342,7 @@ def test_a_trial_the_traffic_leaves_is_abandoned():
     run_gate(gate, 8, rate_on=120.0, rate_off=180.0, steps=100)  # ... as the batch drains
     modes = run_gate(gate, 16, rate_on=150.0, rate_off=200.0, steps=100)  # the next burst
     assert not any(modes)  # back to plain decoding, and no new trial for a retry interval
+    # (too few of its steps measured to judge it: the mode before it)
     assert ("16", "off", "abandoned") in [x[1:4] for x in gate.log]
     # a trial that the traffic keeps coming back to is judged as before
     gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
@@ -349,6 +350,46 @@ def test_a_trial_the_traffic_leaves_is_abandoned():
         run_gate(gate, 16, rate_on=150.0, rate_off=200.0, steps=4)
         run_gate(gate, 8, rate_on=120.0, rate_off=180.0, steps=4)
     assert ("16", "off", "rates", 150.0, 200.0) in [x[1:] for x in gate.log]
+
+
+def test_a_trial_the_traffic_leaves_is_judged_where_it_measured_enough_steps():
+    """Lookups at batch 16, then plain decoding's trial, which the traffic leaves 7 steps
+    in (the batch drains to 8-15) although it measured 236 against 228 tokens/s: the
+    next burst decodes plain. A trial left after 2 steps says nothing: the mode before
+    it stays."""
+    def burst(gate, steps):
+        run_gate(gate, 16, rate_on=228.0, rate_off=236.0 * 1.03, steps=steps)
+        run_gate(gate, 8, rate_on=200.0, rate_off=190.0, steps=80)  # the batch drains
+
+    gate = DraftGate(trial_steps=16, warmup_steps=1, retry_every=256, reach=None)
+    burst(gate, 24)  # 17 steps of lookups, plain decoding's trial 7 steps in
+    modes = run_gate(gate, 16, rate_on=228.0, rate_off=236.0 * 1.03, steps=20)
+    assert not any(modes)
+    assert ("16", "off", "rates") in [x[1:4] for x in gate.log]
+    gate = DraftGate(trial_steps=16, warmup_steps=1, retry_every=256, reach=None)
+    burst(gate, 19)  # plain decoding's trial 2 steps in
+    modes = run_gate(gate, 16, rate_on=228.0, rate_off=236.0 * 1.03, steps=20)
+    assert all(modes)
+    assert ("16", "on", "abandoned") in [x[1:4] for x in gate.log]
+
+
+def test_modes_measured_at_different_batch_sizes_of_a_bucket_compare_per_request():
+    """Bucket 8-15 as a batch of 16 drains: lookups measured at 13 requests (208
+    tokens/s, 16.0 per request), plain decoding's trial at 9 (155 tokens/s, 17.2 per
+    request). Per request plain decoding is the faster, and wins the trial."""
+    gate = DraftGate(trial_steps=16, warmup_steps=1, retry_every=256, reach=None)
+    modes = []
+    for _ in range(17):  # lookups first, at 13
+        on = gate.drafting(13)
+        modes.append(on)
+        gate.observe(13, on, tokens=13 * 1.2, seconds=13 * 1.2 / 208.0)
+    for _ in range(20):  # then plain decoding's trial, the batch at 9
+        on = gate.drafting(9)
+        modes.append(on)
+        gate.observe(9, on, tokens=9, seconds=9 / 155.0)
+    assert modes[:17] == [True] * 17 and not any(modes[17:])
+    assert ("8", "off", "rates") in [x[1:4] for x in gate.log]
+    assert not gate.drafting(13)  # plain decoding holds at 13 too
 
 
 def test_a_tie_on_the_rates_keeps_the_mode_from_before_the_trial():

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from duo_vllm.lending import (ONEDNN_CACHE, MatmulPrimitives, TargetThreads, bias_variants,
-                              bind_order, lend_plan, lend_prefill, onednn_keys, onednn_linears)
+                              bind_order, lend_plan, lend_prefill, onednn_keys, onednn_linears,
+                              remake_pays)
+from duo_vllm.proposer import REMAKE_WEIGHT
 from tests.test_proposer_steps import FakeWorker, bare, clock, inputs  # noqa: F401
 
 
@@ -533,6 +535,44 @@ def test_with_the_step_hook_a_lending_proposer_remakes_before_the_step_that_need
     p._primitives.before_step = None  # vLLM's internals moved under us: stops, says so
     p.before_step(20)
     assert not p._remaking
+
+
+def test_a_remake_pays_before_decode_steps_and_before_long_prompts_only():
+    # a decode step's row count comes back every step
+    assert remake_pays(0, 0.0015, drafting=1, full=2, remake_s=0.4)
+    # a prompt of 300 tokens: 0.45 s on one thread, 0.225 s on two; the remake costs 0.4
+    assert not remake_pays(300, 0.0015, drafting=1, full=2, remake_s=0.4)
+    assert remake_pays(300, 0.0015, drafting=1, full=2, remake_s=0.2)
+    assert remake_pays(1000, 0.0015, drafting=1, full=2, remake_s=0.4)
+    # the more threads the step keeps without the lend, the less a remake gains
+    assert not remake_pays(1000, 0.0015, drafting=7, full=8, remake_s=0.4)
+
+
+def test_a_lent_prompt_step_that_would_not_repay_a_remake_runs_without_one(clock):
+    """A short prompt prefilled on one thread beside the draft, then the same row count
+    lent (the next batch's prompt of that length): the remake (0.3-0.5 s) costs more
+    than one thread loses on it. A decode step of that row count is remade first."""
+    ops = FakeOps()
+    p, calls = lending(FakeWorker())
+    p._hooked = True
+    p.load_model(torch.nn.ModuleList([onednn_layer(ops, "q", 960, 576)]))
+    refreshes = p._primitives.refreshes
+    p._lend(False)
+    p.before_step(40, prefill=39)  # a 40-token prompt beside the draft: one thread
+    p._lend(True)
+    clock.now = 1.0
+    real = p._primitives.refresh
+
+    def slow_refresh():  # 0.3 s of remaking, on the proposer's clock
+        real()
+        clock.now += 0.3
+
+    p._primitives.refresh = slow_refresh
+    p.before_step(40, prefill=39)  # lent, 40 rows of a prompt: not worth 0.4 s
+    assert p._primitives.refreshes == refreshes and p.stats()["matmul_remakes_skipped"] == 1
+    p.before_step(40)  # lent, a decode step of 40 rows (it comes back): remade
+    assert p._primitives.refreshes == refreshes + 1
+    assert p._remake_s == pytest.approx(0.4 + REMAKE_WEIGHT * (0.3 - 0.4))  # measured
 
 
 def test_the_remake_is_no_part_of_the_next_steps_time_for_the_gates(clock):

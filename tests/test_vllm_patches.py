@@ -95,16 +95,17 @@ def test_new_request_hook_tells_the_drafter_before_the_step_and_never_breaks_it(
     Runner(object())._update_states(new)  # a drafter without the hook (ngram, say)
     assert calls == [("update", 0), ("update", 1)]
 
-    class Lending(Drafter):  # told every step's token rows, after its new requests
-        def before_step(self, tokens):
-            calls.append(("before", tokens))
+    class Lending(Drafter):  # told every step's token rows and prompt tokens
+        def before_step(self, tokens, prefill=0):
+            calls.append(("before", tokens, prefill))
 
     calls.clear()
     Runner(Lending())._update_states(SimpleNamespace(**vars(new), total_num_scheduled_tokens=4))
-    Runner(Lending())._update_states(SimpleNamespace(scheduled_new_reqs=[],
-                                                     total_num_scheduled_tokens=2))
-    assert calls == [("hook", [[1, 2, 3]], 2), ("before", 4), ("update", 1),
-                     ("before", 2), ("update", 0)]
+    Runner(Lending())._update_states(SimpleNamespace(  # two requests, 3 draft tokens each
+        scheduled_new_reqs=[], total_num_scheduled_tokens=8, num_scheduled_tokens={"a": 4, "b": 4},
+        scheduled_spec_decode_tokens={"a": [5, 6, 7], "b": [8, 9, 10]}))
+    assert calls == [("hook", [[1, 2, 3]], 2), ("before", 4, 2), ("update", 1),
+                     ("before", 8, 0), ("update", 0)]
 
     class Broken:
         def on_new_requests(self, reqs, batch=None):
