@@ -875,3 +875,28 @@ def test_no_hedge_for_a_confident_draft_or_a_sampled_request():
     d.propose([ctx(1, 2, 9)], [4], target_step_s=0.05, per_token_s=0.002,
               temperatures=[0.7])
     assert all(not job.hedges for job in d.jobs) and d.stats.hedges == 0
+
+
+def test_a_failed_predraft_leaves_no_branch_sequence_holding_cells():
+    """A decode that fails while the pre-draft evaluates its first level (the hedge's
+    sequence already holds its root's copy of the context): every branch sequence of
+    the slot is emptied, not only those of the tree, so none keeps KV cells until its
+    next use."""
+    from duo_vllm.goodput import Acceptance
+
+    class FailsOnBranches(FakeBackend):
+        def decode(self, items):
+            if any(seq >= d.pool.size for seq, _, _ in items):
+                raise RuntimeError("boom")
+            return super().decode(items)
+
+    be = FailsOnBranches(spread={9: {5: 4.0, 6: 3.6}})
+    _, d = make(auto(multi_sequence=True), backend=be)
+    d.acceptance = Acceptance(prior={"greedy": 0.6, "sampled": 0.5})
+    d.draft_time = FixedDraftTime(0.010)
+    d.propose([ctx(1, 2, 9)], [4], target_step_s=0.05, per_token_s=0.002)
+    assert d.jobs[0].hedges
+    d.predraft()
+    assert d.stats.errors == 1
+    assert all(not cells for seq, cells in be.seqs.items() if seq >= d.pool.size)
+    assert not be.seqs.get(0)
