@@ -529,10 +529,10 @@ class DuoDrafter:
         logger.exception("drafting failed; the affected requests get no draft this step")
         self.stats.errors += 1
         for slot in slots:
-            self._clear_tree(slot.seq_id)
+            self.trees.pop(slot.seq_id, None)
             self.backend.remove(slot.seq_id, 0, -1)
-            # every branch sequence of the slot, not only the tree's: a hedge's holds its
-            # root's copy of the context before it joins the tree
+            # every branch sequence of the slot (what _clear_tree removes, and a hedge's,
+            # which holds its root's copy of the context before it joins the tree)
             for j in range(1, self.n_extra + 1):
                 self.backend.remove(self._branch_seq(slot.seq_id, j), 0, -1)
             slot.tokens = np.zeros(0, dtype=np.int32)

@@ -213,15 +213,14 @@ class DraftGate:
         trial measured enough steps (``judge_after``), else back to the mode before it."""
         tried = self._trying[b]
         measured = self._run.get(b, 0) - (self.warmup_steps if tried else 0)
+        self._paired.pop(b, None)  # the trial's requests are gone: its rates, if anything
         if (b, tried) in self._rate and measured >= self.judge_after * self.trial_steps:
-            self._paired.pop(b, None)  # the rates: the trial's requests are gone
-            on = self._verdict(b)
-            self._trying.pop(b)
+            on = self._verdict(b)  # (it reads the mode on trial: popped after)
         else:
-            on = not self._trying.pop(b)
+            on = not tried
             self._pairing.pop(b, None)
-            self._paired.pop(b, None)
             self._note(b, on, "abandoned")
+        del self._trying[b]
         self._mode[b], self._run[b] = on, 0
         self._abandoned_at[b] = self._clock[b]
 
