@@ -168,6 +168,8 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         "draft_call_ms_by_width": after.get("draft_call_ms_by_width"),
         "verify_token_ms": after.get("verify_token_ms"),
         "target_step_ms_by_batch": after.get("target_step_ms_by_batch"),
+        "lent_step_ms_by_batch": after.get("lent_step_ms_by_batch"),
+        "lent_verify_ms_by_batch": after.get("lent_verify_ms_by_batch"),
         "acceptance": {r: after.get(f"acceptance_{r}") for r in ("greedy", "sampled")},
         "propose_wait_ms": after.get("propose_wait_ms"),  # averages since the engine started
         "lock_wait_ms": after.get("lock_wait_ms"),
@@ -486,6 +488,7 @@ def summarise(results: dict) -> dict:
                 entry["controller"] = {k: s["duo"].get(k) for k in (
                     "floor_fraction", "chosen_lengths", "no_slot", "probes", "short_lived",
                     "draft_call_ms_by_width", "verify_token_ms", "target_step_ms_by_batch",
+                    "lent_step_ms_by_batch", "lent_verify_ms_by_batch",
                     "acceptance", "propose_wait_ms", "lock_wait_ms", "actor_propose_ms", "sync_calls",
                     "lookup_misses", "sync_ms_per_draft_step", "gate_plain_steps", "gate_no_draft_steps",
                     "gate_tokens_per_s", "draft_busy_s", "propose_ms_per_step", "sources", "lookup_rows", "source_alpha",
@@ -579,6 +582,9 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                                list((c.get("draft_call_ms_by_width") or {}).items())[:8])
             steps = ", ".join(f"B={b}: {ms:.0f}" for b, ms in
                               (c.get("target_step_ms_by_batch") or {}).items())
+            per_token = c.get("lent_verify_ms_by_batch") or {}
+            lent = ", ".join(f"B={b}: {ms:.0f} + {_f(per_token.get(b), '{:.1f}')}/token"
+                             for b, ms in (c.get("lent_step_ms_by_batch") or {}).items())
             lines.append(f"- {name} controller: draft lengths served {c['chosen_lengths']}, "
                          f"steps the plan left plain {_f(c['floor_fraction'], '{:.0%}')}, "
                          f"steps the gate left without the draft model "
@@ -591,7 +597,7 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                          f"rows without a slot {c['no_slot']}, probes {c['probes']}, rows "
                          f"not caught up (they would end first) {c.get('short_lived', 0)}; "
                          f"measured: draft call ms by width {{{widths}}}, target step ms "
-                         f"{{{steps}}}, verify {_f(c.get('verify_token_ms'), '{:.1f}')} ms/token, "
+                         f"{{{steps}}} (lent {{{lent}}}), verify {_f(c.get('verify_token_ms'), '{:.1f}')} ms/token, "
                          f"acceptance {c['acceptance']}; vLLM waited "
                          f"{_f(c.get('propose_wait_ms'), '{:.1f}')} ms/step for drafts "
                          f"({_f(c.get('actor_propose_ms'), '{:.1f}')} inside the actor, "

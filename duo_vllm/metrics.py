@@ -41,6 +41,8 @@ LABELS = {
     "chosen_lengths": "length",
     "draft_call_ms_by_width": "width",
     "target_step_ms_by_batch": "batch",
+    "lent_step_ms_by_batch": "batch",
+    "lent_verify_ms_by_batch": "batch",
     "gate_tokens_per_s": "mode",
 }
 

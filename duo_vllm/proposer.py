@@ -232,6 +232,9 @@ class DuoProposer:
         self._batch = 0  # the requests of the step under way, seeded ones included
         self._new_requests = False  # the step under way prefills new prompts
         self.step_time = StepTimeModel()  # T(B, e): the target's step, measured
+        # T(B, e) of the steps lent the draft's cores (the draft model off): a copied token
+        # there is priced on them, not on drafting steps' costs at another batch size
+        self.lent_step_time = StepTimeModel()
         self._runner = None  # vLLM's model runner (attach_runner), for sampling settings
         self._errors = 0  # propose() calls that raised: the step went without drafts
         self._calls, self._wait_s = 0, 0.0  # time vLLM's loop spent waiting for drafts
@@ -467,11 +470,23 @@ class DuoProposer:
         if lookups is None:
             return None
         # a lookup token pays where α > c · goodput, goodput ~ the plain step's
-        cost = self.step_time.cost(self._batch)
+        cost = self._step_cost(self._batch)
         threshold = math.inf if cost is None else cost.per_token * self._batch / cost.t0
         return [Hint(list(d), self.lookup.alpha(MODEL, key, t),
                      self.lookup.alphas(key, t, n, len(d)), threshold)
                 for key, t, d, n in zip(keys, temps, lookups, self.lookup.matches)]
+
+    def _step_cost(self, batch: int):
+        """T(B, ·) of the step under way: measured on lent steps where the draft model is
+        off and the step runs on the draft's cores too (at batch 16 a verified token cost
+        such a step about twice what drafting steps at batch 1 extrapolated to, and copies
+        that lost were served), else on the target's own cores."""
+        if not self._on and self.config.parallel and self._threads is not None \
+                and self._threads.lent:
+            cost = self.lent_step_time.cost(batch)
+            if cost is not None:
+                return cost
+        return self.step_time.cost(batch)
 
     def _serve(self, drafts, rows, keys, contexts, temps, lookups, model, hints=None, qs=None):
         """The step's drafts: model drafts and lookup drafts combined per row (``qs``:
@@ -718,13 +733,14 @@ class DuoProposer:
         batch, extra = self._last_step
         sample = now - self._returned_at
         lent = self._threads is not None and self._threads.lent
-        predicted = self.step_time.predict(batch, extra)
+        # T(B, e) is the step drafting sees: on the target's own cores, or, where nothing
+        # drafts in the background (serial), on every core (each step is lent, _free_cores);
+        # a lent step of parallel drafting is a sample of the lent steps' own T(B, e)
+        model = self.lent_step_time if lent and self.config.parallel else self.step_time
+        predicted = model.predict(batch, extra)
         if predicted is not None and sample > 3 * predicted:
             return
-        # T(B, e) is the step drafting sees: on the target's own cores, or, where nothing
-        # drafts in the background (serial), on every core (each step is lent, _free_cores)
-        if not lent or not self.config.parallel:
-            self.step_time.observe(batch, extra, sample)
+        model.observe(batch, extra, sample)
         if produced is not None and started is not None:
             # at batch 1 the gates judge a trial against the other mode on the same request
             key = served[0] if batch == 1 and len(served) == 1 else None
@@ -772,6 +788,13 @@ class DuoProposer:
             "matmul_remakes_skipped": self._primitives.skipped if self._primitives else 0,
             "target_step_ms_by_batch": {
                 b: 1e3 * self.step_time.cost(b).t0 for b in self.step_time.batch_sizes()},
+            # the steps lent the draft's cores: T₀(B), and c(B) per verified token
+            "lent_step_ms_by_batch": {
+                b: 1e3 * self.lent_step_time.cost(b).t0
+                for b in self.lent_step_time.batch_sizes()},
+            "lent_verify_ms_by_batch": {
+                b: 1e3 * self.lent_step_time.cost(b).per_token
+                for b in self.lent_step_time.batch_sizes()},
             **(self.lookup.summary() if self.lookup is not None else {}),
         }
 

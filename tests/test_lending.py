@@ -303,6 +303,27 @@ def test_steps_on_the_lent_cores_are_no_samples_of_the_drafting_step_time(clock)
         p.propose(sampled, n, ids)
         clock.now += 0.035
     assert abs(p.step_time.cost(1).t0 - 0.060) < 2e-3
+    assert abs(p.lent_step_time.cost(1).t0 - 0.035) < 2e-3  # the lent steps' own T(B)
+
+
+@pytest.mark.parametrize("lent_per_token,served", [(0.020, []), (0.0001, [7, 8, 5, 6])])
+def test_copies_on_a_lent_step_are_priced_on_what_a_lent_step_costs(clock, lent_per_token,
+                                                                    served):
+    """A verified token that is nearly free on drafting steps (the target on its own
+    core) can cost a lent step much more: at batch 16 one cost a lent step about twice
+    what drafting steps at batch 1 extrapolated to, and copies that lost were served."""
+    from duo_vllm.lookup import ContextLookup
+
+    w = FakeWorker()
+    p, _ = lending(w)
+    p.lookup = ContextLookup(min_n=2, max_n=4)
+    p.gate.drafting = lambda b, sampled, key=None: False  # the draft model off: lent
+    for e in range(0, 5):
+        p.step_time.observe(1, e, 0.060 + 0.0001 * e)  # drafting steps: nearly free
+        p.lent_step_time.observe(1, e, 0.035 + lent_per_token * e)
+    sampled, n, ids = inputs([[5, 6, 7, 8, 5, 6]])  # "5 6" came before, then 7 8 5 6
+    assert p.propose(sampled, n, ids) == [served]  # a 2-token match's prior α, 0.4
+    assert w.calls == [] and p._threads.lent
 
 
 def test_vllms_engine_core_sits_on_the_draft_cores_only_while_the_draft_drafts(clock):
