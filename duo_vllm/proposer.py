@@ -476,17 +476,21 @@ class DuoProposer:
                      self.lookup.alphas(key, t, n, len(d)), threshold)
                 for key, t, d, n in zip(keys, temps, lookups, self.lookup.matches)]
 
+    def _step_model(self, lent: bool) -> StepTimeModel:
+        """The T(B, e) a step run on every core (``lent``) or not is a sample of: the step
+        drafting sees, on the target's own cores or, where nothing drafts in the background
+        (serial), on every core (each step is lent, _free_cores); a lent step of parallel
+        drafting has its own."""
+        return self.lent_step_time if lent and self.config.parallel else self.step_time
+
     def _step_cost(self, batch: int):
         """T(B, ·) of the step under way: measured on lent steps where the draft model is
         off and the step runs on the draft's cores too (at batch 16 a verified token cost
         such a step about twice what drafting steps at batch 1 extrapolated to, and copies
         that lost were served), else on the target's own cores."""
-        if not self._on and self.config.parallel and self._threads is not None \
-                and self._threads.lent:
-            cost = self.lent_step_time.cost(batch)
-            if cost is not None:
-                return cost
-        return self.step_time.cost(batch)
+        lent = not self._on and self._threads is not None and self._threads.lent
+        cost = self._step_model(lent).cost(batch)
+        return cost if cost is not None else self.step_time.cost(batch)
 
     def _serve(self, drafts, rows, keys, contexts, temps, lookups, model, hints=None, qs=None):
         """The step's drafts: model drafts and lookup drafts combined per row (``qs``:
@@ -733,10 +737,7 @@ class DuoProposer:
         batch, extra = self._last_step
         sample = now - self._returned_at
         lent = self._threads is not None and self._threads.lent
-        # T(B, e) is the step drafting sees: on the target's own cores, or, where nothing
-        # drafts in the background (serial), on every core (each step is lent, _free_cores);
-        # a lent step of parallel drafting is a sample of the lent steps' own T(B, e)
-        model = self.lent_step_time if lent and self.config.parallel else self.step_time
+        model = self._step_model(lent)
         predicted = model.predict(batch, extra)
         if predicted is not None and sample > 3 * predicted:
             return
@@ -761,6 +762,7 @@ class DuoProposer:
 
     def _local_stats(self) -> dict:
         c = self._client
+        lent = {b: self.lent_step_time.cost(b) for b in self.lent_step_time.batch_sizes()}
         return {
             "actor_restarts": c.restarts if c else 0,
             "actor_timeouts": c.timeouts if c else 0,
@@ -789,12 +791,8 @@ class DuoProposer:
             "target_step_ms_by_batch": {
                 b: 1e3 * self.step_time.cost(b).t0 for b in self.step_time.batch_sizes()},
             # the steps lent the draft's cores: T₀(B), and c(B) per verified token
-            "lent_step_ms_by_batch": {
-                b: 1e3 * self.lent_step_time.cost(b).t0
-                for b in self.lent_step_time.batch_sizes()},
-            "lent_verify_ms_by_batch": {
-                b: 1e3 * self.lent_step_time.cost(b).per_token
-                for b in self.lent_step_time.batch_sizes()},
+            "lent_step_ms_by_batch": {b: 1e3 * c.t0 for b, c in lent.items()},
+            "lent_verify_ms_by_batch": {b: 1e3 * c.per_token for b, c in lent.items()},
             **(self.lookup.summary() if self.lookup is not None else {}),
         }
 
