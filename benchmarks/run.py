@@ -127,6 +127,9 @@ METHODS = {
                                              "num_speculative_tokens": K}),
     "spec-cycle": dict(bind="0", spec={"model": "benchmarks.oracle.CycleProposer",
                                        "num_speculative_tokens": K}),
+    # the same with the target on every core: T(B, e) of a lent step
+    "spec-cycle-all": dict(bind="0-1", spec={"model": "benchmarks.oracle.CycleProposer",
+                                             "num_speculative_tokens": K}),
     "oracle": dict(bind="0", spec={"model": "benchmarks.oracle.OracleProposer",
                                    "num_speculative_tokens": K}),
 }

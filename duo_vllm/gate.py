@@ -346,26 +346,115 @@ class DraftGate:
                 for ((b, sampled), on), r in sorted(self._rate.items())}
 
 
-class LookupGate(DraftGate):
+class LookupGate:
     """With the draft model off: lookup drafts, or none at all (plain decoding)?
 
     Verifying a copied token costs the target a slice of a step, and that
     slice grows with the batch: on a CPU target a lookup token that pays at
-    batch 4 can lose at batch 16. The same measurement as :class:`DraftGate`
-    (tokens over seconds per bucket, trials, retries), with lookups as "on".
-    Every new bucket starts with lookups: a verdict for plain decoding at a
-    smaller batch says nothing of a larger one's quotes (a batch-1 tie once
-    carried to batch 4 and cost it its lookup gain), and a lookup trial costs
-    no draft work. Plain decoding gets its trial after ``trial_steps``, shorter
-    than the model gate's: neither mode has a draft to warm up.
+    batch 4 can lose at batch 16. Per bucket of :meth:`DraftGate.bucket`, the
+    two modes' realised tokens per second decide, as for the model gate (a
+    step's tokens per request, times the bucket's smallest batch size).
+
+    Neither mode has a draft to warm up, so a trial **interleaves** them, step
+    by step (lookups, plain, lookups, ...), for ``2 · trial_steps`` steps of
+    its bucket, and judges on the trial's own sums: both modes measured over
+    the same stretch of the same requests. A trial of one mode after the other
+    compared different stretches: at batch 4 sampled, lookups won 124.9 to
+    107.2 tokens/s on a batch's first 17 steps (answers open by restating the
+    prompt) against plain decoding on the next 17, then ran at 104 against
+    plain decoding's 107 for the rest of the batch. A trial the traffic leaves
+    (batch 16 drains in a few dozen steps) goes on when its bucket comes back;
+    each mode needs ``min_samples`` measured steps before a verdict. The winner,
+    by ``margin`` (a tie keeps the mode before), holds for ``retry_every``
+    steps of the bucket, then the next trial. A new bucket starts with a trial:
+    a verdict for plain decoding at a smaller batch says nothing of a larger
+    one's quotes, and a lookup trial costs no draft work.
     """
 
-    labels = ("lookup", "plain")
+    labels = ("lookup", "plain")  # the two modes' names in :meth:`rates`
 
-    def __init__(self, trial_steps: int = 16, warmup_steps: int = 1, retry_every: int = 256,
-                 margin: float = 0.02, weight: float = 0.05):
-        super().__init__(trial_steps, warmup_steps, retry_every, margin, weight, reach=None)
+    def __init__(self, trial_steps: int = 16, retry_every: int = 256, margin: float = 0.02,
+                 weight: float = 0.05, min_samples: int = 4):
+        self.trial_steps, self.retry_every, self.margin = trial_steps, retry_every, margin
+        self.weight, self.min_samples = weight, min_samples
+        self._mode: dict = {}  # bucket -> lookups on?
+        self._clock: dict = {}  # bucket -> steps seen
+        self._judged_at: dict = {}  # bucket -> its step of the last verdict
+        self._trial: dict = {}  # bucket -> [steps chosen, {on: [tokens, seconds, steps]}]
+        self._sums: dict = {}  # (bucket, on) -> [tokens, seconds], decayed (stats)
+        self._rate: dict = {}  # (bucket, on) -> tokens/s: the ratio of those sums
+        self.plain_steps = 0  # steps the gate left to plain decoding
+        self.log: deque = deque(maxlen=32)  # the last trials and verdicts, for stats
 
-    def first_mode(self, b) -> bool:
-        return True
+    bucket = staticmethod(DraftGate.bucket)
 
+    def drafting(self, batch: int, sampled: bool = False, key=None) -> bool:
+        """The mode for a step of ``batch`` requests (and the bookkeeping of the trials;
+        ``key`` is accepted for the model gate's interface: a trial pairs by itself)."""
+        b = self.bucket(batch, sampled)
+        clock = self._clock[b] = self._clock.get(b, 0) + 1
+        if b not in self._mode:
+            self._mode[b] = True
+            self._start_trial(b)
+        elif b not in self._trial and clock - self._judged_at[b] > self.retry_every:
+            self._start_trial(b)
+        on = self._mode[b]
+        trial = self._trial.get(b)
+        if trial is not None:
+            if trial[0] >= 2 * self.trial_steps and self._measured(trial):
+                on = self._verdict(b)
+            else:
+                on = trial[0] % 2 == 0  # lookups first, then by turns
+                trial[0] += 1
+        if not on:
+            self.plain_steps += 1
+        return on
+
+    def _start_trial(self, b) -> None:
+        self._trial[b] = [0, {True: [0.0, 0.0, 0], False: [0.0, 0.0, 0]}]
+        self._note(b, self._mode[b], "trial")
+
+    def _measured(self, trial) -> bool:
+        return all(sums[2] >= self.min_samples for sums in trial[1].values())
+
+    def _verdict(self, b) -> bool:
+        """The end of a trial: the faster mode over the trial's interleaved steps."""
+        sums = self._trial.pop(b)[1]
+        rates = tuple(sums[m][0] / sums[m][1] if sums[m][1] > 0 else None for m in (True, False))
+        on = self._mode[b] = drafting_wins(*rates, self.margin, tie_on=self._mode[b])
+        self._judged_at[b] = self._clock[b]
+        self._note(b, on, "interleaved", *rates)
+        return on
+
+    def trying(self, batch: int, sampled: bool = False) -> bool:
+        """Is a trial under way at this batch size?"""
+        return self.bucket(batch, sampled) in self._trial
+
+    def mode(self, batch: int, sampled: bool = False, key=None) -> bool:
+        """The mode a step of ``batch`` requests would get outside a trial (no
+        bookkeeping)."""
+        return self._mode.get(self.bucket(batch, sampled), True)
+
+    def observe(self, batch: int, on: bool, tokens: int, seconds: float,
+                sampled: bool = False, key=None) -> None:
+        """A step of ``batch`` requests in mode ``on`` produced ``tokens`` in ``seconds``."""
+        if seconds <= 0:
+            return
+        b = self.bucket(batch, sampled)
+        tokens *= (1 << b[0]) / batch  # per request, at the bucket's smallest batch size
+        if b in self._trial:
+            sums = self._trial[b][1][bool(on)]
+            sums[0] += tokens
+            sums[1] += seconds
+            sums[2] += 1
+        mode = (b, bool(on))
+        decayed = self._sums.setdefault(mode, [0.0, 0.0])
+        decayed[0] = (1 - self.weight) * decayed[0] + tokens
+        decayed[1] = (1 - self.weight) * decayed[1] + seconds
+        self._rate[mode] = decayed[0] / decayed[1]
+
+    def rates(self) -> dict[str, float]:
+        return {f"{1 << b}{'s' if sampled else ''}+{self.labels[0 if on else 1]}": r
+                for ((b, sampled), on), r in sorted(self._rate.items())}
+
+    _note = DraftGate._note

@@ -176,13 +176,14 @@ def switches(modes):
 def test_the_lookup_gate_serves_lookups_where_they_pay_and_plain_decoding_where_not():
     from duo_vllm.gate import LookupGate
 
-    gate = LookupGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    gate = LookupGate(trial_steps=10, retry_every=100)
     # batch 4: lookups pay; batch 16: verifying them costs more than they bring
     modes4 = run_gate(gate, 4, rate_on=60.0, rate_off=50.0, steps=300)
     modes16 = run_gate(gate, 16, rate_on=90.0, rate_off=100.0, steps=300)
-    assert modes16[:12] == [True] * 12  # a new bucket starts with lookups
-    assert sum(modes4[-200:]) >= 170  # lookups kept where they pay (plain retried twice)
-    assert sum(modes16[-200:]) < 40  # plain decoding where they lose, retried now and then
+    # a new bucket starts with a trial: the two modes by turns, lookups first
+    assert modes16[:20] == [True, False] * 10
+    assert sum(modes4[-200:]) >= 180  # lookups kept where they pay (plain tried by turns)
+    assert sum(modes16[-200:]) < 30  # plain decoding where they lose, retried now and then
     assert any(modes16[-200:])
     assert gate.plain_steps == modes4.count(False) + modes16.count(False)
     assert set(gate.rates()) == {"4+lookup", "4+plain", "16+lookup", "16+plain"}
@@ -191,28 +192,80 @@ def test_the_lookup_gate_serves_lookups_where_they_pay_and_plain_decoding_where_
 def test_the_lookup_gate_never_carries_plain_decoding_to_a_new_batch_size():
     from duo_vllm.gate import LookupGate
 
-    gate = LookupGate(trial_steps=10, warmup_steps=2, retry_every=100)
-    run_gate(gate, 1, rate_on=20.0, rate_off=21.0, steps=200)  # a tie at batch 1 ...
+    gate = LookupGate(trial_steps=10, retry_every=100)
+    run_gate(gate, 1, rate_on=20.0, rate_off=20.2, steps=200)  # a tie at batch 1 ...
+    assert gate.mode(1)  # (a tie keeps the mode before: lookups)
+    run_gate(gate, 1, rate_on=20.0, rate_off=25.0, steps=200)  # ... then plain decoding
     assert not gate.mode(1)
     # ... says nothing of batch 4, where the quotes pay
     modes = run_gate(gate, 4, rate_on=60.0, rate_off=50.0, steps=200)
-    assert modes[:12] == [True] * 12
-    assert sum(modes[-100:]) >= 85  # plain decoding retried once in 100 steps
+    assert modes[:20] == [True, False] * 10
+    assert sum(modes[-100:]) >= 90  # plain decoding tried by turns once in 100 steps
     # the draft-model gate does carry a loss upward (it costs draft work to try)
     model = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
     run_gate(model, 1, rate_on=20.0, rate_off=30.0, steps=200)
     assert not model.mode(4)
 
 
-@pytest.mark.parametrize("gate_class", ["DraftGate", "LookupGate"])
-def test_modes_that_tie_are_not_swapped_more_than_once_a_retry_interval(gate_class):
-    from duo_vllm import gate as gate_mod
+def test_the_lookup_gate_judges_both_modes_on_the_same_stretch_of_a_batch():
+    """Batch 4 under sampling: the first steps of a batch copy well (answers restate
+    the prompt), later ones do not. A trial of lookups on the batch's first steps, then
+    plain decoding on the next, once kept lookups that lost for the rest of the batch.
+    Interleaved, the trial sees both modes on both stretches."""
+    from duo_vllm.gate import LookupGate
 
-    gate = getattr(gate_mod, gate_class)(retry_every=256)
+    def batch_rates(step):  # (lookups, plain) tokens/s at a batch's step
+        return (140.0, 105.0) if step < 12 else (85.0, 105.0)
+
+    gate, modes = LookupGate(trial_steps=16, retry_every=256), []
+    for step in range(128):
+        on = gate.drafting(4, sampled=True)
+        modes.append(on)
+        rate = batch_rates(step)[0 if on else 1]
+        gate.observe(4, on, tokens=4, seconds=4 / rate, sampled=True)
+    # the first 32 steps are the trial; plain decoding holds the batch's rest
+    assert modes[:32] == [True, False] * 16
+    assert not any(modes[33:])
+    assert gate.log[-1][2:4] == ("plain", "interleaved")
+    # the same batch, one mode after the other (the model gate's trials), keeps lookups
+    sequential, modes = DraftGate(trial_steps=12, warmup_steps=0, retry_every=256), []
+    for step in range(128):
+        on = sequential.drafting(4, sampled=True)
+        modes.append(on)
+        rate = batch_rates(step)[0 if on else 1]
+        sequential.observe(4, on, tokens=4, seconds=4 / rate, sampled=True)
+    assert sum(modes[40:]) == len(modes[40:])
+
+
+def test_a_lookup_trial_the_traffic_leaves_goes_on_when_its_bucket_comes_back():
+    from duo_vllm.gate import LookupGate
+
+    gate = LookupGate(trial_steps=10, retry_every=100)
+    first = run_gate(gate, 16, rate_on=90.0, rate_off=100.0, steps=8)  # a burst drains
+    run_gate(gate, 8, rate_on=90.0, rate_off=100.0, steps=30)
+    assert gate.trying(16) and first == [True, False] * 4
+    again = run_gate(gate, 16, rate_on=90.0, rate_off=100.0, steps=20)
+    assert again[:12] == [True, False] * 6  # its 20 steps by turns, then the verdict
+    assert not gate.trying(16) and not again[-1]
+
+
+def test_modes_that_tie_are_not_swapped_more_than_once_a_retry_interval():
+    gate = DraftGate(retry_every=256)
     modes = run_gate(gate, 4, rate_on=50.0, rate_off=50.0, steps=3000)
     # a tie keeps the mode before the trial: one trial (out and back) a retry interval
     assert len(switches(modes)) <= 2 * (3000 // 256 + 1)
     assert sum(modes) > 0.85 * len(modes)
+
+
+def test_lookup_modes_that_tie_keep_lookups_outside_the_trials():
+    from duo_vllm.gate import LookupGate
+
+    gate = LookupGate(trial_steps=16, retry_every=256)
+    modes = run_gate(gate, 4, rate_on=50.0, rate_off=50.0, steps=3000)
+    trials = [entry for entry in gate.log if entry[3] == "interleaved"]
+    assert len(trials) == 3000 // (256 + 32) + 1 - (3000 % (256 + 32) < 32)
+    assert all(entry[2] == "lookup" for entry in trials)  # a tie keeps the mode before
+    assert modes.count(False) == 16 * (len(trials) + (not trials or gate.trying(4)))
 
 
 def run_requests(gate, lengths, rates, keyed=True, told=True):
