@@ -125,6 +125,8 @@ METHODS = {
     # for Ray and an idle draft actor on the draft's core
     "spec-actor-all": dict(bind="0-1", spec={"model": "benchmarks.oracle.ActorEmptyProposer",
                                              "num_speculative_tokens": K}),
+    "spec-actor-free-all": dict(bind="0-1", spec={
+        "model": "benchmarks.oracle.ActorFreeEmptyProposer", "num_speculative_tokens": K}),
     "spec-cycle": dict(bind="0", spec={"model": "benchmarks.oracle.CycleProposer",
                                        "num_speculative_tokens": K}),
     # the same with the target on every core: T(B, e) of a lent step
