@@ -110,17 +110,14 @@ class ActorEmptyProposer(EmptyProposer):
         ray.get(self.actor.info.remote())
 
 
-class ActorFreeEmptyProposer(ActorEmptyProposer):
+class ActorFreeEmptyProposer(ActorEmptyProposer, DraftFreeEmptyProposer):
     """:class:`ActorEmptyProposer` with DuoProposer's draft-free sampling hook
     (``spec-actor-free-all``): the floor of a lent step without DuoProposer's own
     per-step work (lookups, gates, thread lending)."""
 
     def __init__(self, vllm_config):
-        from duo_vllm.vllm_patches import install_draft_free_sampling
-
-        super().__init__(vllm_config)
-        if not install_draft_free_sampling():
-            raise RuntimeError("this vLLM has no GPUModelRunner._sample to hook")
+        ActorEmptyProposer.__init__(self, vllm_config)
+        DraftFreeEmptyProposer.__init__(self, vllm_config)
 
 
 class CycleProposer(EmptyProposer):

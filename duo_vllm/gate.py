@@ -22,7 +22,45 @@ def drafting_wins(r_on: float | None, r_off: float | None, margin: float,
     return r_on * (1 + margin) > r_off if tie_on else r_on > r_off * (1 + margin)
 
 
-class DraftGate:
+class _GateRates:
+    """What both gates measure and log: per batch-size bucket and mode, tokens per
+    second over the mode's recent steps (sums that decay by ``1 - weight`` a step),
+    a step's tokens counted per request at the bucket's smallest batch size."""
+
+    labels = ("on", "off")  # the two modes' names in :meth:`rates`
+
+    @staticmethod
+    def bucket(batch: int, sampled: bool = False) -> tuple[int, bool]:
+        """Batch sizes 1, 2-3, 4-7, ...; all-greedy steps apart from those with sampling."""
+        return batch_bucket(batch), bool(sampled)
+
+    @staticmethod
+    def _per_request(b, batch: int, tokens: float) -> float:
+        """A step's ``tokens`` per request, at bucket ``b``'s smallest batch size."""
+        return tokens * (1 << b[0]) / batch
+
+    def _record(self, b, on: bool, tokens: float, seconds: float) -> None:
+        """Add a step (``tokens`` already per request) to mode ``on``'s decayed sums in
+        bucket ``b``; its rate is their ratio."""
+        mode = (b, bool(on))
+        sums = self._sums.setdefault(mode, [0.0, 0.0])
+        sums[0] = (1 - self.weight) * sums[0] + tokens
+        sums[1] = (1 - self.weight) * sums[1] + seconds
+        self._rate[mode] = sums[0] / sums[1]
+
+    def _note(self, b, on: bool, how: str, *rates) -> None:
+        """Log a trial or a verdict: (bucket's step, bucket, mode, how, the rates)."""
+        size, sampled = b
+        self.log.append((self._clock.get(b, 0), f"{1 << size}{'s' if sampled else ''}",
+                         self.labels[0 if on else 1], how,
+                         *(None if r is None else round(r, 1) for r in rates)))
+
+    def rates(self) -> dict[str, float]:
+        return {f"{1 << b}{'s' if sampled else ''}+{self.labels[0 if on else 1]}": r
+                for ((b, sampled), on), r in sorted(self._rate.items())}
+
+
+class DraftGate(_GateRates):
     """Is drafting faster than plain decoding at this batch size? Measured, not modelled.
 
     The controller's plan rests on a model (T, D, α); this gate checks its
@@ -84,8 +122,6 @@ class DraftGate:
     rates: a tie keeps that mode.
     """
 
-    labels = ("on", "off")  # the two modes' names in :meth:`rates`
-
     def __init__(self, trial_steps: int = 32, warmup_steps: int = 8, retry_every: int = 256,
                  margin: float = 0.02, weight: float = 0.05, reach: int | None = 2,
                  paired_steps: int = 8, abandon_after: int = 4, judge_after: float = 0.25):
@@ -114,11 +150,6 @@ class DraftGate:
         self._skip: dict = {}  # bucket -> requests still left to plain decoding after those
         self.plain_steps = 0  # steps the gate left to plain decoding
         self.log: deque = deque(maxlen=32)  # the last trials and verdicts, for stats
-
-    @staticmethod
-    def bucket(batch: int, sampled: bool = False) -> tuple[int, bool]:
-        """Batch sizes 1, 2-3, 4-7, ...; all-greedy steps apart from those with sampling."""
-        return batch_bucket(batch), bool(sampled)
 
     def drafting(self, batch: int, sampled: bool = False, key=None) -> bool:
         """The mode for a step of ``batch`` requests (and the bookkeeping of the trials).
@@ -304,13 +335,6 @@ class DraftGate:
         best = max(both, default=None)
         return None if best is None or best[0] < self.paired_steps else best[2]
 
-    def _note(self, b, on: bool, how: str, *rates) -> None:
-        """Log a trial or a verdict: (bucket's step, bucket, mode, how, the rates)."""
-        size, sampled = b
-        self.log.append((self._clock.get(b, 0), f"{1 << size}{'s' if sampled else ''}",
-                         self.labels[0 if on else 1], how,
-                         *(None if r is None else round(r, 1) for r in rates)))
-
     def faster_on(self, b) -> bool:
         """Do the recent rates favour drafting (a tie keeps the current mode)?"""
         return drafting_wins(self._rate.get((b, True)), self._rate.get((b, False)),
@@ -325,7 +349,7 @@ class DraftGate:
         b = self.bucket(batch, sampled)
         if on and self._mode.get(b) and self._run.get(b, 0) <= self.warmup_steps:
             return  # the draft is catching up: not yet what drafting gives
-        tokens *= (1 << b[0]) / batch  # per request, at the bucket's smallest batch size
+        tokens = self._per_request(b, batch, tokens)
         if key is not None:
             paired = self._paired.setdefault(b, {})
             if (key, on) not in paired and len(paired) >= 8:  # keep the last few requests'
@@ -334,26 +358,18 @@ class DraftGate:
             sums[0] += tokens
             sums[1] += seconds
             sums[2] += 1
-        mode = (b, on)
-        sums = self._sums.setdefault(mode, [0.0, 0.0])
-        sums[0] = (1 - self.weight) * sums[0] + tokens
-        sums[1] = (1 - self.weight) * sums[1] + seconds
-        self._rate[mode] = sums[0] / sums[1]
-        self._seen_at[mode] = self._clock.get(b, 0)
-
-    def rates(self) -> dict[str, float]:
-        return {f"{1 << b}{'s' if sampled else ''}+{self.labels[0] if on else self.labels[1]}": r
-                for ((b, sampled), on), r in sorted(self._rate.items())}
+        self._record(b, on, tokens, seconds)
+        self._seen_at[(b, on)] = self._clock.get(b, 0)
 
 
-class LookupGate:
+class LookupGate(_GateRates):
     """With the draft model off: lookup drafts, or none at all (plain decoding)?
 
     Verifying a copied token costs the target a slice of a step, and that
     slice grows with the batch: on a CPU target a lookup token that pays at
-    batch 4 can lose at batch 16. Per bucket of :meth:`DraftGate.bucket`, the
-    two modes' realised tokens per second decide, as for the model gate (a
-    step's tokens per request, times the bucket's smallest batch size).
+    batch 4 can lose at batch 16. Per bucket of :meth:`bucket`, the
+    two modes' realised tokens per second decide, as for the model gate
+    (:class:`_GateRates`).
 
     Neither mode has a draft to warm up, so a trial **interleaves** them, step
     by step (lookups, plain, lookups, ...), for ``2 · trial_steps`` steps of
@@ -385,8 +401,6 @@ class LookupGate:
         self._rate: dict = {}  # (bucket, on) -> tokens/s: the ratio of those sums
         self.plain_steps = 0  # steps the gate left to plain decoding
         self.log: deque = deque(maxlen=32)  # the last trials and verdicts, for stats
-
-    bucket = staticmethod(DraftGate.bucket)
 
     def drafting(self, batch: int, sampled: bool = False, key=None) -> bool:
         """The mode for a step of ``batch`` requests (and the bookkeeping of the trials;
@@ -441,20 +455,10 @@ class LookupGate:
         if seconds <= 0:
             return
         b = self.bucket(batch, sampled)
-        tokens *= (1 << b[0]) / batch  # per request, at the bucket's smallest batch size
+        tokens = self._per_request(b, batch, tokens)
         if b in self._trial:
             sums = self._trial[b][1][bool(on)]
             sums[0] += tokens
             sums[1] += seconds
             sums[2] += 1
-        mode = (b, bool(on))
-        decayed = self._sums.setdefault(mode, [0.0, 0.0])
-        decayed[0] = (1 - self.weight) * decayed[0] + tokens
-        decayed[1] = (1 - self.weight) * decayed[1] + seconds
-        self._rate[mode] = decayed[0] / decayed[1]
-
-    def rates(self) -> dict[str, float]:
-        return {f"{1 << b}{'s' if sampled else ''}+{self.labels[0 if on else 1]}": r
-                for ((b, sampled), on), r in sorted(self._rate.items())}
-
-    _note = DraftGate._note
+        self._record(b, on, tokens, seconds)
