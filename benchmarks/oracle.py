@@ -89,7 +89,7 @@ class RayEmptyProposer(EmptyProposer):
 
     def __init__(self, vllm_config):
         from duo_vllm.config import DuoConfig
-        from duo_vllm.proposer import _ensure_ray
+        from duo_vllm.raynode import ensure_ray as _ensure_ray
 
         _ensure_ray(DuoConfig())
 
@@ -102,7 +102,7 @@ class ActorEmptyProposer(EmptyProposer):
         from duo_vllm.actor import get_or_create_actor
         from duo_vllm.config import DuoConfig
         from duo_vllm.models import default_draft_gguf
-        from duo_vllm.proposer import _ensure_ray
+        from duo_vllm.raynode import ensure_ray as _ensure_ray
 
         cfg = DuoConfig(draft_cores=(1,))
         ray = _ensure_ray(cfg)

@@ -8,6 +8,7 @@ with the draft model on and off, per batch-size bucket.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
 from .goodput import batch_bucket
 
@@ -362,6 +363,27 @@ class DraftGate(_GateRates):
         self._seen_at[(b, on)] = self._clock.get(b, 0)
 
 
+@dataclass
+class _Trial:
+    """A lookup trial under way: the steps it has chosen so far and, per mode (lookups
+    on?), the tokens, seconds and steps measured in it."""
+
+    steps: int = 0
+    sums: dict = field(default_factory=lambda: {True: [0.0, 0.0, 0], False: [0.0, 0.0, 0]})
+
+    def next_mode(self) -> bool:
+        """Lookups first, then plain decoding, by turns."""
+        self.steps += 1
+        return self.steps % 2 == 1
+
+    def measured(self, min_samples: int) -> bool:
+        return all(steps >= min_samples for _, _, steps in self.sums.values())
+
+    def rate(self, on: bool) -> float | None:
+        tokens, seconds, _ = self.sums[on]
+        return tokens / seconds if seconds > 0 else None
+
+
 class LookupGate(_GateRates):
     """With the draft model off: lookup drafts, or none at all (plain decoding)?
 
@@ -396,7 +418,7 @@ class LookupGate(_GateRates):
         self._mode: dict = {}  # bucket -> lookups on?
         self._clock: dict = {}  # bucket -> steps seen
         self._judged_at: dict = {}  # bucket -> its step of the last verdict
-        self._trial: dict = {}  # bucket -> [steps chosen, {on: [tokens, seconds, steps]}]
+        self._trial: dict = {}  # bucket -> its trial under way (:class:`_Trial`)
         self._sums: dict = {}  # (bucket, on) -> [tokens, seconds], decayed (stats)
         self._rate: dict = {}  # (bucket, on) -> tokens/s: the ratio of those sums
         self.plain_steps = 0  # steps the gate left to plain decoding
@@ -415,26 +437,22 @@ class LookupGate(_GateRates):
         on = self._mode[b]
         trial = self._trial.get(b)
         if trial is not None:
-            if trial[0] >= 2 * self.trial_steps and self._measured(trial):
+            if trial.steps >= 2 * self.trial_steps and trial.measured(self.min_samples):
                 on = self._verdict(b)
             else:
-                on = trial[0] % 2 == 0  # lookups first, then by turns
-                trial[0] += 1
+                on = trial.next_mode()
         if not on:
             self.plain_steps += 1
         return on
 
     def _start_trial(self, b) -> None:
-        self._trial[b] = [0, {True: [0.0, 0.0, 0], False: [0.0, 0.0, 0]}]
+        self._trial[b] = _Trial()
         self._note(b, self._mode[b], "trial")
-
-    def _measured(self, trial) -> bool:
-        return all(sums[2] >= self.min_samples for sums in trial[1].values())
 
     def _verdict(self, b) -> bool:
         """The end of a trial: the faster mode over the trial's interleaved steps."""
-        sums = self._trial.pop(b)[1]
-        rates = tuple(sums[m][0] / sums[m][1] if sums[m][1] > 0 else None for m in (True, False))
+        trial = self._trial.pop(b)
+        rates = trial.rate(True), trial.rate(False)
         on = self._mode[b] = drafting_wins(*rates, self.margin, tie_on=self._mode[b])
         self._judged_at[b] = self._clock[b]
         self._note(b, on, "interleaved", *rates)
@@ -457,7 +475,7 @@ class LookupGate(_GateRates):
         b = self.bucket(batch, sampled)
         tokens = self._per_request(b, batch, tokens)
         if b in self._trial:
-            sums = self._trial[b][1][bool(on)]
+            sums = self._trial[b].sums[bool(on)]
             sums[0] += tokens
             sums[1] += seconds
             sums[2] += 1

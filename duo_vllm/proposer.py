@@ -14,13 +14,12 @@ import logging
 import math
 import os
 import time
-from contextlib import contextmanager
 
 import numpy as np
 
 from .actor import DraftWorker, get_or_create_actor
 from .client import ActorClient
-from .config import DuoConfig, DuoConfigError, allowed_cpus, resolve_draft_cores, target_cores
+from .config import DuoConfig, allowed_cpus, resolve_draft_cores, target_cores
 from .delta import DeltaSender
 from .drafts_out import attach_drafts
 from .gate import DraftGate, LookupGate
@@ -29,7 +28,10 @@ from .lending import (WARM_ROWS, MatmulPrimitives, TargetThreads, bind_order, le
 from .goodput import StepTimeModel
 from .lookup import LOOKUP, MODEL, ContextLookup, Hint, serve
 from .models import ModelNotFoundError, default_draft_gguf
-from .pinning import EngineCorePlace, engine_core, move_engine_core, off_target, pin_ray_daemons
+from .pinning import EngineCorePlace, engine_core, move_engine_core, off_target
+from .raynode import check_placement as _check_placement
+from .raynode import ensure_ray as _ensure_ray
+from .raynode import private_ray as _private_ray
 from .sampling import dense_q
 from .state import pool_window
 from .vllm_patches import (
@@ -57,75 +59,6 @@ REMAKE_S, REMAKE_WEIGHT = 0.4, 0.3
 PREFILL_TOKEN_S = 0.0015
 # the most a lend waits for the draft's decode call under way (one call: 10-60 ms here)
 PAUSE_WAIT_S = 0.25
-
-
-@contextmanager
-def _daemon_affinity(cores: list[int] | None):
-    """Start Ray's daemons (raylet, GCS, idle workers) on ``cores``, else on any CPU of
-    the container: vLLM's CPU worker binds the calling thread to the target's cores,
-    and child processes would inherit that mask."""
-    before = os.sched_getaffinity(0)
-    try:
-        os.sched_setaffinity(0, cores or allowed_cpus())
-    except OSError:
-        pass
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
-def _private_ray(cfg: DuoConfig) -> bool:
-    """Does DuoProposer start a Ray instance of its own (no cluster named)?"""
-    return cfg.ray_address is None and not os.environ.get("RAY_ADDRESS")
-
-
-def _ensure_ray(cfg: DuoConfig, cores: list[int] | None = None):
-    """Ray, initialised in this process if it is not; a private instance's daemons run on
-    ``cores`` (``None``: anywhere)."""
-    import ray
-
-    if ray.is_initialized():
-        return ray
-    kwargs = dict(namespace=cfg.namespace, include_dashboard=False,
-                  logging_level=logging.WARNING, log_to_driver=True)
-    if _private_ray(cfg):
-        # A private local instance, on loopback only: nothing off this machine can reach
-        # it. Small object store: our messages are tiny.
-        # address="local": a new instance even if `ray start` left one running here.
-        kwargs["address"] = "local"
-        kwargs["object_store_memory"] = 128 * 1024 * 1024
-        kwargs["_node_ip_address"] = "127.0.0.1"
-    else:
-        kwargs["address"] = cfg.ray_address
-    # Ray's daemons would write their own metrics into vLLM's multiprocess metrics
-    # directory (duo-vllm serve sets it) and flood /metrics with ray_* series
-    metrics_dir = os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    try:
-        local = kwargs["address"] == "local"
-        with _daemon_affinity(cores if local else None):
-            ray.init(**kwargs)
-        if local and cores:  # some start from threads of their own, with another mask
-            pin_ray_daemons(cores)
-    finally:
-        if metrics_dir is not None:
-            os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    return ray
-
-
-def _check_placement(ray, cfg: DuoConfig) -> None:
-    """Fail at start-up, not hang, when no node offers the actor's ``resources``."""
-    if not cfg.resources:
-        return
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    if any(all(n["Resources"].get(k, 0) >= v for k, v in cfg.resources.items()) for n in nodes):
-        return
-    offered = sorted({k for n in nodes for k in n["Resources"] if not k.startswith("node:")})
-    raise DuoConfigError(
-        f"DuoProposer resources {cfg.resources} are offered by no node of the Ray cluster "
-        f"({len(nodes)} node(s); resources offered: {offered}). Fix: start the draft's node "
-        f"with `ray start ... --resources '{{\"{next(iter(cfg.resources))}\": 1}}'`, or "
-        "change the resources option")
 
 
 class DuoProposer:

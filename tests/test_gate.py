@@ -263,9 +263,11 @@ def test_lookup_modes_that_tie_keep_lookups_outside_the_trials():
     gate = LookupGate(trial_steps=16, retry_every=256)
     modes = run_gate(gate, 4, rate_on=50.0, rate_off=50.0, steps=3000)
     trials = [entry for entry in gate.log if entry[3] == "interleaved"]
-    assert len(trials) == 3000 // (256 + 32) + 1 - (3000 % (256 + 32) < 32)
+    # a trial's 2 x 16 interleaved steps, its verdict's step, then 256 steps held
+    full_cycles, left = divmod(3000, 2 * 16 + 1 + 256)
+    assert len(trials) == full_cycles + (left > 2 * 16) and not gate.trying(4)
     assert all(entry[2] == "lookup" for entry in trials)  # a tie keeps the mode before
-    assert modes.count(False) == 16 * (len(trials) + (not trials or gate.trying(4)))
+    assert modes.count(False) == 16 * len(trials)  # the trials' plain steps, no others
 
 
 def run_requests(gate, lengths, rates, keyed=True, told=True):
