@@ -89,9 +89,9 @@ class RayEmptyProposer(EmptyProposer):
 
     def __init__(self, vllm_config):
         from duo_vllm.config import DuoConfig
-        from duo_vllm.raynode import ensure_ray as _ensure_ray
+        from duo_vllm.raynode import ensure_ray
 
-        _ensure_ray(DuoConfig())
+        ensure_ray(DuoConfig())
 
 
 class ActorEmptyProposer(EmptyProposer):
@@ -102,10 +102,10 @@ class ActorEmptyProposer(EmptyProposer):
         from duo_vllm.actor import get_or_create_actor
         from duo_vllm.config import DuoConfig
         from duo_vllm.models import default_draft_gguf
-        from duo_vllm.raynode import ensure_ray as _ensure_ray
+        from duo_vllm.raynode import ensure_ray
 
         cfg = DuoConfig(draft_cores=(1,))
-        ray = _ensure_ray(cfg)
+        ray = ensure_ray(cfg)
         self.actor = get_or_create_actor(cfg, default_draft_gguf(), [1], 4)
         ray.get(self.actor.info.remote())
 

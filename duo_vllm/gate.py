@@ -23,6 +23,13 @@ def drafting_wins(r_on: float | None, r_off: float | None, margin: float,
     return r_on * (1 + margin) > r_off if tie_on else r_on > r_off * (1 + margin)
 
 
+def _add_step(sums: list, tokens: float, seconds: float) -> None:
+    """Add a step to plain (undecayed) sums: [tokens, seconds, steps]."""
+    sums[0] += tokens
+    sums[1] += seconds
+    sums[2] += 1
+
+
 class _GateRates:
     """What both gates measure and log: per batch-size bucket and mode, tokens per
     second over the mode's recent steps (sums that decay by ``1 - weight`` a step),
@@ -355,10 +362,7 @@ class DraftGate(_GateRates):
             paired = self._paired.setdefault(b, {})
             if (key, on) not in paired and len(paired) >= 8:  # keep the last few requests'
                 paired.pop(next((k for k in paired if k[0] != key), next(iter(paired))))
-            sums = paired.setdefault((key, on), [0.0, 0.0, 0])
-            sums[0] += tokens
-            sums[1] += seconds
-            sums[2] += 1
+            _add_step(paired.setdefault((key, on), [0.0, 0.0, 0]), tokens, seconds)
         self._record(b, on, tokens, seconds)
         self._seen_at[(b, on)] = self._clock.get(b, 0)
 
@@ -375,6 +379,9 @@ class _Trial:
         """Lookups first, then plain decoding, by turns."""
         self.steps += 1
         return self.steps % 2 == 1
+
+    def add(self, on: bool, tokens: float, seconds: float) -> None:
+        _add_step(self.sums[bool(on)], tokens, seconds)
 
     def measured(self, min_samples: int) -> bool:
         return all(steps >= min_samples for _, _, steps in self.sums.values())
@@ -475,8 +482,5 @@ class LookupGate(_GateRates):
         b = self.bucket(batch, sampled)
         tokens = self._per_request(b, batch, tokens)
         if b in self._trial:
-            sums = self._trial[b].sums[bool(on)]
-            sums[0] += tokens
-            sums[1] += seconds
-            sums[2] += 1
+            self._trial[b].add(on, tokens, seconds)
         self._record(b, on, tokens, seconds)
