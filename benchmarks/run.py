@@ -155,7 +155,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
           "sync_s", "sync_calls", "propose_calls", "lookup_misses", "lent_steps",
           "lend_switches", "matmul_remakes", "matmul_remakes_skipped", "drawn_tokens",
           "lent_prefills", "hedged_roots",
-          "deep_hits", "shorter_roots", "hedges", "hedge_hits")}
+          "deep_hits", "shorter_roots", "hedges", "hedge_hits", "extended")}
     lengths = {int(n): c - before.get("chosen_lengths", {}).get(n, 0)
                for n, c in after.get("chosen_lengths", {}).items()}
     return {
@@ -181,6 +181,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         "actor_propose_ms": after.get("actor_propose_ms"),  # likewise
         # drafting on the spot while vLLM waited: calls, and ms per draft-model step
         "sync_calls": d["sync_calls"],
+        "extended": d.get("extended"),  # hits drafted on from the end of their branch
         "lookup_misses": d["lookup_misses"],  # misses served a lookup draft, no wait
         # pre-drafts rooted where a weak copied tail parts from the model; hits past a
         # branch's first token
@@ -500,7 +501,7 @@ def summarise(results: dict) -> dict:
                     "lent_steps", "lend_switches", "matmul_remakes", "matmul_remakes_skipped",
                     "lent_prefills", "drawn_tokens",
                     "gate_log", "predraft_misses", "hedged_roots", "deep_hits",
-                    "shorter_roots", "hedges", "hedge_hits")}
+                    "shorter_roots", "hedges", "hedge_hits", "extended")}
             if s["temperature"] == 0.0 and key in ref_shapes:
                 mine = [x["token_ids"] for x in rows if x["repeat"] == 0]
                 theirs = [x["token_ids"] for x in ref_shapes[key]["rows"] if x["repeat"] == 0]
@@ -609,7 +610,8 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                          f"{_f(c.get('lock_wait_ms'), '{:.1f}')} of that for a draft call under "
                          "way; engine averages), drafting on the spot "
                          f"{_f(c.get('sync_ms_per_draft_step'), '{:.1f}')} ms per draft-model step "
-                         f"({c.get('sync_calls')} calls; misses served a lookup draft "
+                         f"({c.get('sync_calls')} calls, hits drafted on {c.get('extended')}; "
+                         "misses served a lookup draft "
                          f"instead {c.get('lookup_misses')}; pre-draft misses by why "
                          f"{c.get('predraft_misses')}; pre-drafts rooted inside a copied "
                          f"tail {c.get('hedged_roots')} (for want of time in the step "

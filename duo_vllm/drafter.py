@@ -186,10 +186,14 @@ class DuoDrafter:
                 if br.seq_id != slot_id:
                     self.backend.remove(br.seq_id, 0, -1)
 
+    def _draws(self, temperature: float) -> bool:
+        """Are this request's draft tokens drawn from q (else the argmax)?"""
+        return self.policy.sampled_drafts and temperature >= 1e-5
+
     def _next_token(self, logits: np.ndarray, temperature: float):
         """The next draft token and its q: drawn from q for a sampled request (with
         ``sampled_drafts``), else the argmax (q None)."""
-        if self.policy.sampled_drafts and temperature >= 1e-5:
+        if self._draws(temperature):
             q = draft_q(logits, temperature, limit=self.policy.vocab_limit)
             return sample_q(*q, self.rng), q
         return int(np.argmax(logits)), None
@@ -256,7 +260,8 @@ class DuoDrafter:
         rows = self._rows(contexts, max_tokens, temps, serve, remaining)
         hits = [r for r in rows if r.branch is not None]
         misses = [r for r in rows if r.branch is None and not r.background]
-        served, (chosen, depth) = self._plan_step(len(contexts), hits, misses, cost, hints)
+        served, (chosen, extend, depth) = self._plan_step(len(contexts), hits, misses, cost,
+                                                          hints)
         for r, n in zip(hits, served):
             out[r.row], qs[r.row], alts[r.row] = self._take_branch(r.slot, r.tree, r.branch, n,
                                                                    r.follow)
@@ -266,13 +271,27 @@ class DuoDrafter:
             if not r.available:  # its branch holds the target's token only: nothing to serve
                 st.misses["shallow"] += 1
             st.branch_hits[r.tree.branches.index(r.branch)] += 1
-        if chosen and depth > 0:
+        # a draw goes on a branch only where every served token was drawn too: the
+        # rejection sampler reads a draft's q for all of its tokens or for none
+        extend = [r for r in extend
+                  if not (out[r.row] and qs[r.row] is None and self._draws(r.temperature))]
+        for r in extend:
+            if not out[r.row]:  # a shallow hit: a miss with its context evaluated
+                qs[r.row], alts[r.row] = [], []
+        if (chosen or extend) and depth > 0:
             t_sync = time.perf_counter()
-            self._draft_chains([(r.row, r.slot, min(depth, r.k), r.temperature)
-                                for r in chosen], {r.row: r.ctx for r in chosen}, out, qs,
-                               alts)
+            # a miss drafts ``depth`` tokens from its context; a hit whose branch ran out,
+            # ``depth`` more from the end of what it serves
+            chains = [(r.row, r.slot, min(depth, r.k), r.temperature) for r in chosen]
+            chains += [(r.row, r.slot, min(len(out[r.row]) + depth, r.k), r.temperature)
+                       for r in extend]
+            roots = {r.row: r.ctx for r in chosen}
+            roots.update({r.row: np.concatenate([r.ctx, np.asarray(out[r.row], dtype=np.int32)])
+                          for r in extend})
+            self._draft_chains(chains, roots, out, qs, alts)
             st.sync_s += time.perf_counter() - t_sync
             st.sync_calls += 1
+            st.extended += len(extend)
         self.live = {r.slot.seq_id for r in rows}
         self.last_q = [qs.get(i) if out[i] else None for i in range(len(out))]
         for r in rows:
@@ -367,38 +386,47 @@ class DuoDrafter:
 
     def _plan_step(self, batch: int, hits: list[_Row], misses: list[_Row], cost: TargetCost,
                    hints=None):
-        """Tokens served per hit, and the misses drafted now (with their depth)."""
+        """Tokens served per hit; the misses drafted now, the hits extended now (those
+        whose branch ran out), and the depth drafted for each."""
         policy = self.policy
         if policy.budget is not None:  # fixed: every hit in full, every miss to the budget
-            return [r.available for r in hits], (misses, min(policy.budget, policy.k))
+            return [r.available for r in hits], (misses, [], min(policy.budget, policy.k))
         served = plan_served([r.alpha for r in hits], [r.available for r in hits], cost,
                              base_tokens=batch)
         for i, r in enumerate(hits):  # re-measure acceptance now and then: it may have risen
             if served[i] == 0 and r.available and self.quiet.get(r.slot.seq_id, 0) >= PROBE_EVERY:
                 served[i] = 1
                 self.stats.probes += 1
-        if not misses:
-            return served, ([], 0)
+        # a hit served its whole branch is a miss with a head start: drafting on from the
+        # end of its branch gains only where all it serves is accepted (α^(n+1), α, ...)
+        extend = [(r, n) for r, n in zip(hits, served)
+                  if policy.predrafts and n == r.available and n < r.k]
+        if not misses and not extend:
+            return served, ([], [], 0)
         # a miss with a lookup draft is served that copy if nothing is drafted for it now
         fallback = [lookup_fallback(_hint(hints, r.row)) for r in misses]
+        fallback += [(0.0, 0)] * len(extend)
         base_tokens = batch + sum(expected_accepted(r.alpha, n) for r, n in zip(hits, served)) \
             + sum(t for t, _ in fallback)
         # without a background thread a new prompt can only be evaluated here: an
         # investment in every later step of the request, not a cost of this one
-        catch_up = [r.catch_up if policy.predrafts else 1 for r in misses]
-        plan = plan_sync([r.alpha for r in misses], [r.k for r in misses], catch_up, cost,
-                         self.draft_time, base_tokens, sum(served) + sum(n for _, n in fallback),
-                         fallback)
-        if not plan.rows and not policy.predrafts:
+        catch_up = [r.catch_up if policy.predrafts else 1 for r in misses] + [1] * len(extend)
+        alphas = [r.alpha for r in misses] + [(r.alpha ** (n + 1), r.alpha) for r, n in extend]
+        caps = [r.k for r in misses] + [r.k - n for r, n in extend]
+        plan = plan_sync(alphas, caps, catch_up, cost, self.draft_time, base_tokens,
+                         sum(served) + sum(n for _, n in fallback), fallback)
+        if misses and not plan.rows and not policy.predrafts:
             # no pre-draft probes without a background thread: probe the quietest miss here
             # (one token), so measured costs and acceptance replace the priors
             quiet = max(misses, key=lambda r: self.quiet.get(r.slot.seq_id, 0))
             if self.quiet.get(quiet.slot.seq_id, 0) >= PROBE_EVERY:
                 self.stats.probes += 1
-                return served, ([quiet], 1)
+                return served, ([quiet], [], 1)
         self.stats.lookup_misses += sum(1 for i, (_, n) in enumerate(fallback)
                                         if n and i not in plan.rows)
-        return served, ([misses[i] for i in plan.rows], plan.depth)
+        m = len(misses)
+        return served, ([misses[i] for i in plan.rows if i < m],
+                        [extend[i - m][0] for i in plan.rows if i >= m], plan.depth)
 
     def _slide(self, slot: Slot, ctx: np.ndarray) -> Assignment:
         """Move a slot's window to the last ``window`` tokens of ``ctx`` (evaluated anew)."""
@@ -498,7 +526,8 @@ class DuoDrafter:
             self.stats.prefill_tokens += len(ctx) - keep
             slot.tokens = ctx
             live.append([row, slot, n, temp])
-            qs[row], alts[row] = [], []
+            if row not in qs:  # a hit's branch keeps its q and runner-ups, extended below
+                qs[row], alts[row] = [], []
         try:
             logits, _ = self._decode(items)
             while live:

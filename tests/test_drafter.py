@@ -222,6 +222,53 @@ def test_controller_pre_drafts_what_fits_the_step_and_stops_at_the_deadline():
     assert d.trees[0].branches[0].tokens == be.chain(int(d.trees[0].prefix[-1]), 1)
 
 
+def _one_deep_hit(draft_call_s):
+    """A pre-draft one token deep (its deadline came), then the step that hits it."""
+    be, d = make(auto())
+    d.draft_time = FixedDraftTime(0.002)
+    (draft,) = d.propose([ctx(1, 2)], [4], target_step_s=0.05, per_token_s=0.0005)
+    b = be.next_token((draft or [2])[-1])  # the target accepts the draft and samples b
+    d.jobs[0].evals = 1
+    d.predraft()
+    assert d.trees[0].branches[0].tokens == [b, be.next_token(b)]
+    d.draft_time = FixedDraftTime(draft_call_s)
+    calls = be.decode_calls
+    (draft2,) = d.propose([ctx(1, 2, *draft, b)], [4], target_step_s=0.05, per_token_s=0.0005)
+    return be, d, b, draft2, be.decode_calls - calls
+
+
+def test_a_hit_whose_branch_ran_out_is_drafted_on_where_it_pays():
+    """The pre-draft's deadline cut its branch at one token: where a draft call is
+    cheap against the target's step, the step drafts on from the branch's end (the
+    branch's token evaluated first), to the request's cap, in one chain."""
+    be, d, b, draft, calls = _one_deep_hit(0.002)
+    assert draft == be.chain(b, 4)
+    assert calls == 3  # the branch's last token + the 2nd token, then the 3rd, the 4th
+    assert d.stats.extended == 1 and d.stats.predraft_hits == 1
+
+
+def test_a_hit_is_not_drafted_on_where_the_wait_costs_more_than_it_gains():
+    be, d, b, draft, calls = _one_deep_hit(0.04)  # a draft call: most of a target step
+    assert draft == be.chain(b, 1) and calls == 0
+    assert d.stats.extended == 0
+
+
+def test_a_sampled_hit_is_drafted_on_only_where_its_tokens_were_drawn():
+    """The rejection sampler reads a draft's q for all of its tokens or none: a
+    branch of argmax tokens (no q) is never extended with drawn ones."""
+    be, d = make(auto(sampled_drafts=True))
+    d.draft_time = FixedDraftTime(0.002)
+    d.propose([ctx(1, 2)], [4], target_step_s=0.05, per_token_s=0.0005, temperatures=[0.0])
+    d.jobs[0].evals = 1
+    d.jobs[0].temperature = 0.7  # an argmax branch, served to a request that samples
+    d.predraft()
+    tree = d.trees[0]
+    tree.branches[0].q = [None]
+    (draft,) = d.propose([ctx(*tree.prefix, tree.branches[0].tokens[0])], [4],
+                         target_step_s=0.05, per_token_s=0.0005, temperatures=[0.7])
+    assert len(draft) == 1 and d.last_q == [None] and d.stats.extended == 0
+
+
 def test_controller_drafts_nothing_when_drafting_does_not_pay():
     be, d = make(auto())
     d.draft_time = FixedDraftTime(1.0)  # a draft call costs 20 target steps
