@@ -271,10 +271,6 @@ class DuoDrafter:
             if not r.available:  # its branch holds the target's token only: nothing to serve
                 st.misses["shallow"] += 1
             st.branch_hits[r.tree.branches.index(r.branch)] += 1
-        # a draw goes on a branch only where every served token was drawn too: the
-        # rejection sampler reads a draft's q for all of its tokens or for none
-        extend = [r for r in extend
-                  if not (out[r.row] and qs[r.row] is None and self._draws(r.temperature))]
         for r in extend:
             if not out[r.row]:  # a shallow hit: a miss with its context evaluated
                 qs[r.row], alts[r.row] = [], []
@@ -399,8 +395,12 @@ class DuoDrafter:
                 self.stats.probes += 1
         # a hit served its whole branch is a miss with a head start: drafting on from the
         # end of its branch gains only where all it serves is accepted (α^(n+1), α, ...)
+        # (a draw goes on a branch only where every served token was drawn too: the
+        # rejection sampler reads a draft's q for all of its tokens or for none)
         extend = [(r, n) for r, n in zip(hits, served)
-                  if policy.predrafts and n == r.available and n < r.k]
+                  if policy.predrafts and n == r.available and n < r.k
+                  and not (n and self._draws(r.temperature)
+                           and r.branch.drawn(n, r.follow - 1) is None)]
         if not misses and not extend:
             return served, ([], [], 0)
         # a miss with a lookup draft is served that copy if nothing is drafted for it now
