@@ -181,7 +181,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         "actor_propose_ms": after.get("actor_propose_ms"),  # likewise
         # drafting on the spot while vLLM waited: calls, and ms per draft-model step
         "sync_calls": d["sync_calls"],
-        "extended": d.get("extended"),  # hits drafted on from the end of their branch
+        "extended": d["extended"],  # hits drafted on from the end of their branch
         "lookup_misses": d["lookup_misses"],  # misses served a lookup draft, no wait
         # pre-drafts rooted where a weak copied tail parts from the model; hits past a
         # branch's first token

@@ -271,9 +271,6 @@ class DuoDrafter:
             if not r.available:  # its branch holds the target's token only: nothing to serve
                 st.misses["shallow"] += 1
             st.branch_hits[r.tree.branches.index(r.branch)] += 1
-        for r in extend:
-            if not out[r.row]:  # a shallow hit: a miss with its context evaluated
-                qs[r.row], alts[r.row] = [], []
         if (chosen or extend) and depth > 0:
             t_sync = time.perf_counter()
             # a miss drafts ``depth`` tokens from its context; a hit whose branch ran out,
@@ -397,7 +394,7 @@ class DuoDrafter:
         # end of its branch gains only where all it serves is accepted (α^(n+1), α, ...)
         # (a draw goes on a branch only where every served token was drawn too: the
         # rejection sampler reads a draft's q for all of its tokens or for none)
-        extend = [(r, n) for r, n in zip(hits, served)
+        extend = [r for r, n in zip(hits, served)
                   if policy.predrafts and n == r.available and n < r.k
                   and not (n and self._draws(r.temperature)
                            and r.branch.drawn(n, r.follow - 1) is None)]
@@ -411,11 +408,12 @@ class DuoDrafter:
         # without a background thread a new prompt can only be evaluated here: an
         # investment in every later step of the request, not a cost of this one
         catch_up = [r.catch_up if policy.predrafts else 1 for r in misses] + [1] * len(extend)
-        alphas = [r.alpha for r in misses] + [(r.alpha ** (n + 1), r.alpha) for r, n in extend]
-        caps = [r.k for r in misses] + [r.k - n for r, n in extend]
+        alphas = [r.alpha for r in misses] + [(r.alpha ** (r.available + 1), r.alpha)
+                                              for r in extend]
+        caps = [r.k for r in misses] + [r.k - r.available for r in extend]
         plan = plan_sync(alphas, caps, catch_up, cost, self.draft_time, base_tokens,
                          sum(served) + sum(n for _, n in fallback), fallback)
-        if misses and not plan.rows and not policy.predrafts:
+        if not plan.rows and not policy.predrafts:  # (then nothing is extended)
             # no pre-draft probes without a background thread: probe the quietest miss here
             # (one token), so measured costs and acceptance replace the priors
             quiet = max(misses, key=lambda r: self.quiet.get(r.slot.seq_id, 0))
@@ -426,7 +424,7 @@ class DuoDrafter:
                                         if n and i not in plan.rows)
         m = len(misses)
         return served, ([misses[i] for i in plan.rows if i < m],
-                        [extend[i - m][0] for i in plan.rows if i >= m], plan.depth)
+                        [extend[i - m] for i in plan.rows if i >= m], plan.depth)
 
     def _slide(self, slot: Slot, ctx: np.ndarray) -> Assignment:
         """Move a slot's window to the last ``window`` tokens of ``ctx`` (evaluated anew)."""
@@ -526,7 +524,7 @@ class DuoDrafter:
             self.stats.prefill_tokens += len(ctx) - keep
             slot.tokens = ctx
             live.append([row, slot, n, temp])
-            if row not in qs:  # a hit's branch keeps its q and runner-ups, extended below
+            if not out[row]:  # a hit's served branch keeps its q and runner-ups, extended
                 qs[row], alts[row] = [], []
         try:
             logits, _ = self._decode(items)
