@@ -327,12 +327,23 @@ class StepTimeModel:
             mx, my = sx / w, sy / w
             if c is None:
                 c = self.prior_per_token * my / (1 + self.prior_per_token * mx)
+            # a verified token costs no more than a whole step (c ≤ T₀ = my - c·mx): a
+            # slope from a few disturbed steps, or borrowed from wider batches, would
+            # otherwise put T₀ near 0, where no draft pays and no step corrects it
+            c = min(c, my / (1 + mx))
             return TargetCost(max(my - c * mx, 1e-4), c)
         # unseen batch size: the nearest seen one, plus or minus a token per request
+        # (a narrower batch costs at least its share of the wider one's step)
         near = min(self._sums, key=lambda b: abs(b - batch))
         base = self.cost(near)
         step = base.per_token if c is None else c
-        return TargetCost(max(base.t0 + (batch - near) * step, 1e-4), base.per_token)
+        t0 = max(base.t0 + (batch - near) * step, base.t0 * min(1.0, batch / near))
+        return TargetCost(max(t0, 1e-4), base.per_token)
+
+    def mean(self, batch: int) -> float | None:
+        """The (forgetting) mean of the steps seen at ``batch``; ``None`` if none."""
+        s = self._sums.get(batch)
+        return s[2] / s[0] if s and s[0] > 0 else None
 
     def batch_sizes(self) -> list[int]:
         """The batch sizes seen so far."""

@@ -671,8 +671,10 @@ class DuoProposer:
         sample = now - self._returned_at
         lent = self._threads is not None and self._threads.lent
         model = self._step_model(lent)
-        predicted = model.predict(batch, extra)
-        if predicted is not None and sample > 3 * predicted:
+        # idle time: far longer than predicted and than the steps seen at this batch size
+        # (the fit alone would let a bad fit refuse the very steps that correct it)
+        typical = max(model.predict(batch, extra) or 0.0, model.mean(batch) or 0.0)
+        if typical and sample > 3 * typical:
             return
         model.observe(batch, extra, sample)
         if produced is not None and started is not None:

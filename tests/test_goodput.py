@@ -201,6 +201,30 @@ def test_step_time_model_before_the_slope_is_known_uses_its_prior():
     assert c.t0 == pytest.approx(0.050) and c.per_token == pytest.approx(0.005)
 
 
+def test_a_verified_token_never_costs_more_than_a_whole_step():
+    """A few disturbed steps (a neighbour's burst during the deep drafts) give a slope
+    steep enough to put the intercept below 0; T₀ near 0 would make every draft look
+    worthless. The slope is capped at T₀ itself: c ≤ T₀ = mean - c·mean(e)."""
+    m = StepTimeModel()
+    for _ in range(10):
+        m.observe(1, 1, 0.030)
+        m.observe(1, 4, 0.200)  # disturbed
+    c = m.cost(1)
+    assert c.per_token <= c.t0 + 1e-12
+    assert c.t0 == pytest.approx(0.115 / 3.5, rel=0.01)  # my / (1 + mx), forgetting aside
+    # a bucket that never saw e vary borrows a steep slope from a wide batch: capped too
+    m = StepTimeModel()
+    for i in range(40):
+        m.observe(1, 4, 0.040)
+        m.observe(16, i % 3 * 16, 0.090 + 0.008 * (i % 3 * 16))
+    assert m.cost(1).t0 == pytest.approx(0.040 / 5, rel=1e-6)
+    # an unseen narrow batch costs at least its share of the nearest wider one's step
+    m = StepTimeModel()
+    for i in range(40):
+        m.observe(4, i % 5 * 4, 0.040 + 0.009 * (i % 5 * 4))
+    assert m.cost(1).t0 >= m.cost(4).t0 / 4
+
+
 def test_draft_time_model_interpolates_widths():
     d = DraftTimeModel(prior_s=0.015)
     assert d(2) == pytest.approx(0.030)  # prior, per token
