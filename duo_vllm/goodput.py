@@ -318,32 +318,38 @@ class StepTimeModel:
         return _pooled_slope(self._sums.values())
 
     def cost(self, batch: int) -> TargetCost | None:
-        """T(B, ·) for ``batch``; ``None`` before any step was seen."""
+        """T(B, ·) for ``batch``; ``None`` before any step was seen.
+
+        A verified token costs no more than a whole step: c ≤ T₀ = my - c·mx,
+        i.e. c ≤ my / (1 + mx). A slope past that (a few disturbed deep-draft
+        steps, or one borrowed from wider batches) is no measurement, and it
+        would put T₀ near 0, where no draft pays and so no step with drafts
+        comes to correct it: the prior slope stands in, as before any was known.
+        """
         if not self._sums:
             return None
         c = self.per_token(batch)
         if batch in self._sums and self._sums[batch][0] > 0:
             w, sx, sy, _, _ = self._sums[batch]
             mx, my = sx / w, sy / w
-            if c is None:
+            if c is None or c > my / (1 + mx):
                 c = self.prior_per_token * my / (1 + self.prior_per_token * mx)
-            # a verified token costs no more than a whole step (c ≤ T₀ = my - c·mx): a
-            # slope from a few disturbed steps, or borrowed from wider batches, would
-            # otherwise put T₀ near 0, where no draft pays and no step corrects it
-            c = min(c, my / (1 + mx))
             return TargetCost(max(my - c * mx, 1e-4), c)
         # unseen batch size: the nearest seen one, plus or minus a token per request
         # (a narrower batch costs at least its share of the wider one's step)
         near = min(self._sums, key=lambda b: abs(b - batch))
         base = self.cost(near)
         step = base.per_token if c is None else c
-        t0 = max(base.t0 + (batch - near) * step, base.t0 * min(1.0, batch / near))
-        return TargetCost(max(t0, 1e-4), base.per_token)
+        t0 = max(base.t0 + (batch - near) * step, base.t0 * min(1.0, batch / near), 1e-4)
+        return TargetCost(t0, min(base.per_token, t0))
 
     def mean(self, batch: int) -> float | None:
-        """The (forgetting) mean of the steps seen at ``batch``; ``None`` if none."""
-        s = self._sums.get(batch)
-        return s[2] / s[0] if s and s[0] > 0 else None
+        """The (forgetting) mean of the steps seen at ``batch`` (at the nearest batch
+        size seen, for one not seen yet); ``None`` before any step."""
+        if not self._sums:
+            return None
+        s = self._sums.get(batch) or self._sums[min(self._sums, key=lambda b: abs(b - batch))]
+        return s[2] / s[0] if s[0] > 0 else None
 
     def batch_sizes(self) -> list[int]:
         """The batch sizes seen so far."""

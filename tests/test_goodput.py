@@ -201,28 +201,33 @@ def test_step_time_model_before_the_slope_is_known_uses_its_prior():
     assert c.t0 == pytest.approx(0.050) and c.per_token == pytest.approx(0.005)
 
 
-def test_a_verified_token_never_costs_more_than_a_whole_step():
+def test_a_slope_steeper_than_a_whole_step_gives_way_to_the_prior():
     """A few disturbed steps (a neighbour's burst during the deep drafts) give a slope
     steep enough to put the intercept below 0; T₀ near 0 would make every draft look
-    worthless. The slope is capped at T₀ itself: c ≤ T₀ = mean - c·mean(e)."""
-    m = StepTimeModel()
+    worthless, and without drafts nothing would correct it. A verified token costs no
+    more than a whole step (c ≤ T₀): past that the prior slope stands in."""
+    m = StepTimeModel(prior_per_token=0.1)
     for _ in range(10):
         m.observe(1, 1, 0.030)
         m.observe(1, 4, 0.200)  # disturbed
     c = m.cost(1)
-    assert c.per_token <= c.t0 + 1e-12
-    assert c.t0 == pytest.approx(0.115 / 3.5, rel=0.01)  # my / (1 + mx), forgetting aside
-    # a bucket that never saw e vary borrows a steep slope from a wide batch: capped too
-    m = StepTimeModel()
+    mx, my = 2.5, 0.115  # about: forgetting weighs the later steps a little more
+    assert c.t0 == pytest.approx(my / (1 + 0.1 * mx), rel=0.01)
+    assert c.per_token == pytest.approx(0.1 * c.t0)
+    # a bucket that never saw e vary borrows a steep slope from a wide batch: the same
+    m = StepTimeModel(prior_per_token=0.1)
     for i in range(40):
         m.observe(1, 4, 0.040)
         m.observe(16, i % 3 * 16, 0.090 + 0.008 * (i % 3 * 16))
-    assert m.cost(1).t0 == pytest.approx(0.040 / 5, rel=1e-6)
-    # an unseen narrow batch costs at least its share of the nearest wider one's step
+    assert m.cost(1).t0 == pytest.approx(0.040 / 1.4, rel=1e-6)
+    assert m.cost(16).per_token == pytest.approx(0.008)  # a slope below T₀ is kept
+    # an unseen narrow batch costs at least its share of the nearest wider one's step,
+    # and a token in it no more than that
     m = StepTimeModel()
     for i in range(40):
         m.observe(4, i % 5 * 4, 0.040 + 0.009 * (i % 5 * 4))
-    assert m.cost(1).t0 >= m.cost(4).t0 / 4
+    one = m.cost(1)
+    assert one.t0 >= m.cost(4).t0 / 4 and one.per_token <= one.t0
 
 
 def test_draft_time_model_interpolates_widths():

@@ -130,24 +130,32 @@ def test_prefill_steps_are_not_samples_of_the_step_time(clock):
 
 def test_a_fit_too_low_is_corrected_by_the_steps_it_did_not_predict(clock):
     """Idle gaps are no samples, but a step is idle only if far longer than the fit's
-    prediction *and* the steps seen at its batch size: a fit whose T₀ came out low
-    must not refuse the plain steps that would correct it (CI saw drafting stop for
-    good that way, T₀ logged as 0.1 ms)."""
+    prediction *and* the steps seen at its batch size (the nearest one seen, for a new
+    one): a fit that predicts too little must not refuse the plain steps that would
+    correct it (CI saw drafting stop for good that way)."""
     w = FakeWorker(drafts=[[]])
     p = bare(w)
-    for _ in range(20):  # deep drafts, steep between 3 and 4 tokens (a disturbed run)
-        p.step_time.observe(1, 3, 0.020)
-        p.step_time.observe(1, 4, 0.060)
-    low = p.step_time.cost(1).t0
-    assert low < 0.035 / 3  # so a plain step of 35 ms is > 3x the fit's prediction
+    for _ in range(20):  # deep drafts only, steep between 3 and 4 tokens
+        p.step_time.observe(1, 3, 0.0400)
+        p.step_time.observe(1, 4, 0.0495)
+    assert p.step_time.cost(1).t0 < 0.040 / 3  # a plain step of 40 ms: > 3x predicted
     sampled, n, ids = inputs([[1, 2]])
-    for _ in range(100):  # steps without drafts, 35 ms each
+    for _ in range(100):  # steps without drafts, 40 ms each
         p.propose(sampled, n, ids)
-        clock.now += 0.035
+        clock.now += 0.040
     assert p.step_time.cost(1).t0 > 0.030
     clock.now += 5.0  # a real idle gap is still no sample
     p.propose(sampled, n, ids)
     assert p.step_time.mean(1) < 0.050
+    # batch 1 first seen after batch 4: predicted from batch 4's fit, 13 ms
+    p = bare(FakeWorker(drafts=[[]]))
+    for i in range(40):
+        p.step_time.observe(4, i % 5 * 4, 0.040 + 0.009 * (i % 5 * 4))
+    assert p.step_time.predict(1, 0) < 0.040 / 3
+    for _ in range(3):
+        p.propose(sampled, n, ids)
+        clock.now += 0.040
+    assert p.step_time.batch_sizes() == [1, 4]
 
 
 def test_propose_never_raises_and_counts_the_failure(clock, caplog):
