@@ -671,9 +671,12 @@ class DuoProposer:
         sample = now - self._returned_at
         lent = self._threads is not None and self._threads.lent
         model = self._step_model(lent)
-        # idle time: far longer than predicted and than the steps seen at this batch size
-        # (the fit alone would let a bad fit refuse the very steps that correct it)
-        typical = max(model.predict(batch, extra) or 0.0, model.mean(batch) or 0.0)
+        # idle time: far longer than predicted; at a batch size not seen yet, than the
+        # nearest one's steps too (its prediction, off a wider batch's fit, can be far
+        # too short, and would refuse every step that could correct it)
+        typical = model.predict(batch, extra) or 0.0
+        if batch not in model.batch_sizes():
+            typical = max(typical, model.mean(batch) or 0.0)
         if typical and sample > 3 * typical:
             return
         model.observe(batch, extra, sample)
