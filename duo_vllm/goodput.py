@@ -337,7 +337,7 @@ class StepTimeModel:
             return TargetCost(max(my - c * mx, 1e-4), c)
         # unseen batch size: the nearest seen one, plus or minus a token per request
         # (a narrower batch costs at least its share of the wider one's step)
-        near = min(self._sums, key=lambda b: abs(b - batch))
+        near = self._nearest(batch)
         base = self.cost(near)
         step = base.per_token if c is None else c
         t0 = max(base.t0 + (batch - near) * step, base.t0 * min(1.0, batch / near), 1e-4)
@@ -348,8 +348,12 @@ class StepTimeModel:
         size seen, for one not seen yet); ``None`` before any step."""
         if not self._sums:
             return None
-        s = self._sums.get(batch) or self._sums[min(self._sums, key=lambda b: abs(b - batch))]
+        s = self._sums.get(batch) or self._sums[self._nearest(batch)]
         return s[2] / s[0] if s[0] > 0 else None
+
+    def _nearest(self, batch: int) -> int:
+        """The seen batch size nearest ``batch`` (some step was seen)."""
+        return min(self._sums, key=lambda b: abs(b - batch))
 
     def batch_sizes(self) -> list[int]:
         """The batch sizes seen so far."""
