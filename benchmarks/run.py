@@ -98,6 +98,9 @@ METHODS = {
     "duo-lend-nogate-base": dict(bind="0-1", base=True, duo={"parallel": True,
                                                              "multi_sequence": True,
                                                              "budget": "auto", "gate": False}),
+    # the prompt cache's ablation: the draft prefills every prompt whose slot went to another
+    "duo-lend-nocache": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
+                                            "budget": "auto", "prompt_cache_mb": 0}),
     "duo-lend-nolookup": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
                                              "budget": "auto", "lookup": False}),
     "duo-nolookup": dict(bind="0", duo={"parallel": True, "multi_sequence": True,
@@ -155,7 +158,8 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
           "sync_s", "sync_calls", "propose_calls", "lookup_misses", "lent_steps",
           "lend_switches", "matmul_remakes", "matmul_remakes_skipped", "drawn_tokens",
           "lent_prefills", "hedged_roots",
-          "deep_hits", "shorter_roots", "hedges", "hedge_hits", "extended")}
+          "deep_hits", "shorter_roots", "hedges", "hedge_hits", "extended",
+          "cache_hits", "cache_tokens")}
     lengths = {int(n): c - before.get("chosen_lengths", {}).get(n, 0)
                for n, c in after.get("chosen_lengths", {}).items()}
     return {
@@ -196,6 +200,8 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         # lent prompt steps left on matmuls made for fewer threads (a remake would not pay)
         "matmul_remakes_skipped": d["matmul_remakes_skipped"],
         "lent_prefills": d["lent_prefills"],  # long prompts prefilled on every core
+        # sequences restored from the draft's prompt cache, the prefill tokens that spared
+        "cache_hits": d["cache_hits"], "cache_tokens": d["cache_tokens"],
         "drawn_tokens": d["drawn_tokens"],  # served with their q (sampled drafts)
         "sync_ms_per_draft_step": 1e3 * d["sync_s"] / d["propose_calls"] if d["propose_calls"] else None,
         "predraft_hit_rate": d["predraft_hits"] / d["requests"] if d["requests"] else 0.0,
@@ -501,7 +507,8 @@ def summarise(results: dict) -> dict:
                     "lent_steps", "lend_switches", "matmul_remakes", "matmul_remakes_skipped",
                     "lent_prefills", "drawn_tokens",
                     "gate_log", "predraft_misses", "hedged_roots", "deep_hits",
-                    "shorter_roots", "hedges", "hedge_hits", "extended")}
+                    "shorter_roots", "hedges", "hedge_hits", "extended", "cache_hits",
+                    "cache_tokens")}
             if s["temperature"] == 0.0 and key in ref_shapes:
                 mine = [x["token_ids"] for x in rows if x["repeat"] == 0]
                 theirs = [x["token_ids"] for x in ref_shapes[key]["rows"] if x["repeat"] == 0]
@@ -617,7 +624,10 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                          f"tail {c.get('hedged_roots')} (for want of time in the step "
                          f"{c.get('shorter_roots')}), hits past a branch's first token "
                          f"{c.get('deep_hits')}; hedges on the draft's runner-up "
-                         f"{c.get('hedges')}, hits on them {c.get('hedge_hits')})"
+                         f"{c.get('hedges')}, hits on them {c.get('hedge_hits')}); "
+                         f"prompts restored from the draft's prompt cache "
+                         f"{c.get('cache_hits')} ({c.get('cache_tokens')} prefill tokens "
+                         f"spared; prefilled {(c.get('draft_tokens_evaluated') or {}).get('prefill')})"
                          + (f"; steps on the draft's core too {c['lent_steps']} "
                             f"({c.get('lend_switches')} switches, oneDNN matmuls remade "
                             f"{c.get('matmul_remakes')} times, not remade for a prompt "

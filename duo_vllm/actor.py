@@ -91,7 +91,8 @@ class DraftWorker:
         for note in self.limits.notes:
             logger.info("DuoProposer: %s", note)
         self.drafter = DuoDrafter(backend, self.limits.max_sequences, self.limits.n_ctx, policy,
-                                  window=config.draft_window or None)
+                                  window=config.draft_window or None,
+                                  cache_bytes=config.prompt_cache_mb << 20)
         try:
             logger.info("DuoProposer: draft call ms by width %s", {
                 w: round(1e3 * d, 1) for w, d in self.drafter.calibrate().items()})
@@ -326,6 +327,9 @@ class DraftWorker:
         out["verify_token_ms"] = 1e3 * (self.drafter.per_token_s or float("nan"))
         out["draft_call_ms_by_width"] = {w: 1e3 * s for w, s in
                                          self.drafter.draft_time.table().items()}
+        cache = self.drafter.cache
+        out["cache_entries"] = 0 if cache is None else len(cache)
+        out["cache_mb"] = 0.0 if cache is None else cache.bytes / 2 ** 20
         acc = self.drafter.acceptance
         out["acceptance_greedy"] = acc.regime_alpha("greedy")
         out["acceptance_sampled"] = acc.regime_alpha("sampled")

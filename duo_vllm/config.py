@@ -92,6 +92,11 @@ class DuoConfig:
         max_sequences: Requests whose draft state the actor keeps at once
             (least recently used states are dropped beyond it). Unset: vLLM's
             ``max_num_seqs``, within a bound on the draft's KV cache.
+        prompt_cache_mb: Host memory, in MiB, for the draft's KV of requests whose
+            slot went to another (``duo_vllm/prompt_cache.py``): a prompt seen again
+            (a retry, a shared system prompt, a chat's next turn, a document asked
+            about again) is restored there instead of prefilled anew by the draft,
+            as vLLM's prefix cache spares the target. ``0``: none.
         propose_timeout_s: Longest the proposer waits for the actor in one
             step before that step goes without a draft. ``"auto"``: the
             actor's usual answer time plus half a target step (measured).
@@ -161,6 +166,7 @@ class DuoConfig:
     draft_window: int | None = 256
     n_ctx: int = 2048
     max_sequences: int = 8
+    prompt_cache_mb: int = 256
     propose_timeout_s: float | str = "auto"
     max_restarts: int = 3
     resources: dict[str, float] | None = None
@@ -204,6 +210,10 @@ class DuoConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise DuoConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        c = self.prompt_cache_mb
+        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+            raise DuoConfigError(f"prompt_cache_mb must be an integer >= 0 (MiB; 0: no prompt "
+                                 f"cache), got {c!r}")
         if not (isinstance(self.lookup_min, int) and isinstance(self.lookup_max, int)
                 and 1 <= self.lookup_min <= self.lookup_max):
             raise DuoConfigError(f"lookup_min and lookup_max must be integers with 1 <= "

@@ -19,6 +19,7 @@ drafts change speed, never output.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -35,7 +36,8 @@ from .goodput import (
     hedge_probs, plan_predraft, plan_served, plan_sync, predraft_roots, regime,
 )
 from .sampling import draft_q, sample_q
-from .state import Assignment, Slot, SlotPool, common_prefix_len, pool_window
+from .prompt_cache import PromptCache, restore_pays
+from .state import Assignment, Slot, SlotPool, common_prefix_len, pool_window, window_view
 from .stats import DraftStats, Ema
 
 logger = logging.getLogger(__name__)
@@ -113,8 +115,10 @@ class DuoDrafter:
     MAX_HEDGES = 2  # hedge branches per request and pre-draft, at most
 
     def __init__(self, backend, max_sequences: int, n_ctx: int, policy: DraftPolicy,
-                 window: int | None = None, seed: int | None = None):
+                 window: int | None = None, seed: int | None = None, cache_bytes: int = 0):
         self.backend, self.n_ctx, self.policy = backend, n_ctx, policy
+        # the KV of requests whose slot went to another, for when they come back
+        self.cache = PromptCache(cache_bytes) if cache_bytes > 0 else None
         self.rng = np.random.default_rng(seed)  # the draws of sampled drafts
         self.last_q: list = []  # each row's q of its last draft (None: not drawn)
         self.pool = SlotPool(max_sequences, window=pool_window(window, n_ctx))
@@ -340,7 +344,7 @@ class DuoDrafter:
         rows = []
         left = [None] * len(contexts) if remaining is None else remaining
         for row, (ctx, k, a, temp) in enumerate(zip(contexts, max_tokens,
-                                                    self.pool.assign(contexts), temps)):
+                                                    self._assign(contexts), temps)):
             if a is not None and self.pool.window and len(a.view) + policy.k + 2 >= self.n_ctx:
                 a = self._slide(a.slot, ctx)  # the window is full: a new one, further on
             if a is not None:
@@ -426,6 +430,60 @@ class DuoDrafter:
         return served, ([misses[i] for i in plan.rows if i < m],
                         [extend[i - m] for i in plan.rows if i >= m], plan.depth)
 
+    def _assign(self, contexts, live=frozenset()) -> list[Assignment | None]:
+        """``pool.assign``, with the prompt cache: a slot taken afresh leaves what it held
+        to the cache first, then takes the cached sequence its new context shares the
+        most with, where that spares a prefill (:func:`restore_pays`)."""
+        out = self.pool.assign(contexts, live)
+        if self.cache is None:
+            return out
+        for i, (ctx, a) in enumerate(zip(contexts, out)):
+            if a is None or a.before is None:
+                continue
+            if len(a.slot.tokens) > self.pool.template_len:
+                self._keep(a.slot, *a.before)
+            out[i] = self._restore(a, ctx)
+        return out
+
+    def _keep(self, slot: Slot, head: int, offset: int) -> None:
+        """Save what ``slot`` holds (in window ``head``, ``offset``) to the cache."""
+        try:
+            state = self.backend.save(slot.seq_id)
+        except Exception:  # a speed-up only: the request is prefilled if it comes back
+            logger.exception("could not save a draft sequence to the prompt cache")
+            return
+        if state:
+            self.cache.put(slot.tokens, head, offset, state)
+
+    def _restore(self, a: Assignment, ctx: np.ndarray) -> Assignment:
+        """``a`` with its slot holding the cached sequence that shares the most with
+        ``ctx``, where one spares a prefill; else ``a`` as it is."""
+        entry, match = self.cache.best(ctx)
+        if entry is None or not restore_pays(
+                match, a.reuse, len(window_view(ctx, entry.head, entry.offset)),
+                self.pool.fresh_tokens(len(ctx))):
+            return a
+        slot, st = a.slot, self.stats
+        self._clear_tree(slot.seq_id)
+        self.last_draft.pop(slot.seq_id, None)  # the request it held: nothing to score
+        self.backend.remove(slot.seq_id, 0, -1)
+        try:
+            ok = self.backend.restore(slot.seq_id, entry.state)
+        except Exception:
+            logger.exception("could not restore a draft sequence from the prompt cache")
+            ok = False
+        if not ok:  # no room for its cells, say: the slot starts empty
+            self.backend.remove(slot.seq_id, 0, -1)
+            slot.tokens = slot.tokens[:0]
+            st.cache_failures += 1
+            return dataclasses.replace(a, reuse=0)
+        slot.tokens, slot.head, slot.offset = entry.tokens, entry.head, entry.offset
+        view = slot.view(ctx)
+        reuse = common_prefix_len(slot.tokens, view)
+        st.cache_hits += 1
+        st.cache_tokens += min(reuse, len(view) - 1) - a.reuse  # (the last is evaluated anew)
+        return dataclasses.replace(a, reuse=reuse, view=view)
+
     def _slide(self, slot: Slot, ctx: np.ndarray) -> Assignment:
         """Move a slot's window to the last ``window`` tokens of ``ctx`` (evaluated anew)."""
         self._clear_tree(slot.seq_id)
@@ -452,7 +510,7 @@ class DuoDrafter:
         contexts = [np.asarray(c, dtype=np.int32) for c in contexts]
         self.pool.note_prompts(contexts)
         queued = 0
-        for ctx, a in zip(contexts, self.pool.assign(contexts, live=self.live)):
+        for ctx, a in zip(contexts, self._assign(contexts, live=self.live)):
             if a is None:
                 self.stats.no_slot += 1
                 continue

@@ -19,6 +19,7 @@ coordinates (:meth:`Slot.view`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,9 +52,7 @@ class Slot:
 
     def view(self, ctx: np.ndarray) -> np.ndarray:
         """``ctx`` as this slot holds it: its head, then from its offset on."""
-        if self.offset == 0:
-            return ctx
-        return np.concatenate([ctx[:self.head], ctx[self.offset:]])
+        return window_view(ctx, self.head, self.offset)
 
 
 @dataclass(frozen=True)
@@ -63,6 +62,29 @@ class Assignment:
     slot: Slot
     reuse: int  # tokens of slot.tokens that equal the view's prefix
     view: np.ndarray  # the context as the slot holds it (from slot.offset on)
+    # a slot taken afresh: the window (head, offset) of what it held till now, which
+    # slot.tokens still are (the drafter may keep them: duo_vllm/prompt_cache.py)
+    before: tuple[int, int] | None = None
+
+
+def window_view(ctx: np.ndarray, head: int, offset: int) -> np.ndarray:
+    """``ctx`` as a window holds it: its first ``head`` tokens, then from ``offset`` on
+    (``offset`` 0: all of it)."""
+    if offset == 0:
+        return ctx
+    return np.concatenate([ctx[:head], ctx[offset:]])
+
+
+def window_match(held, head: int, offset: int, ctx: np.ndarray) -> int:
+    """The longest prefix of ``ctx``'s view in a window (``head``, ``offset``) that one
+    of the token arrays ``held`` (``None``s skipped) has. A windowed one matches only
+    beyond its head (the chat template and system prompt every request shares), and
+    only a context longer than its window's start."""
+    if len(ctx) <= offset:  # shorter than the window's start: another request
+        return 0
+    view = window_view(ctx, head, offset)
+    m = max((common_prefix_len(h, view) for h in held if h is not None), default=0)
+    return m if m > head or not offset else 0  # a shared head is no match
 
 
 def pool_window(window: int | None, n_ctx: int) -> int | None:
@@ -113,14 +135,7 @@ class SlotPool:
             self._last_prompt = p
 
     def _match(self, slot: Slot, ctx: np.ndarray) -> int:
-        if len(ctx) <= slot.offset:  # shorter than the window's start: another request
-            return 0
-        ctx = slot.view(ctx)
-        m = common_prefix_len(slot.tokens, ctx)
-        for name in (slot.queued, slot.seen):
-            if name is not None:
-                m = max(m, common_prefix_len(name, ctx))
-        return m if m > slot.head or not slot.offset else 0  # a shared head is no match
+        return window_match((slot.tokens, slot.queued, slot.seen), slot.head, slot.offset, ctx)
 
     def _protected(self, slot: Slot) -> bool:
         if slot.queued is None:
@@ -162,8 +177,9 @@ class SlotPool:
             # no real prefix anywhere: an empty slot, else the least recently used one
             slot = min(free, key=lambda s: (len(s.tokens) > 0, s.last_used, s.seq_id))
             slot.queued = slot.seen = None  # names of another request
+            before = slot.head, slot.offset
             self.place(slot, len(ctx))
-            out[i] = self._take(slot, ctx, taken)
+            out[i] = dataclasses.replace(self._take(slot, ctx, taken), before=before)
         return out
 
     def fresh_tokens(self, length: int) -> int:

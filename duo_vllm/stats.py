@@ -56,6 +56,11 @@ class DraftStats:
     # hedges: branches rooted before a served model token, on the draft's runner-up there
     hedges: int = 0
     hedge_hits: int = 0  # hits on a hedge (the target turned the token down for it)
+    # the prompt cache (duo_vllm/prompt_cache.py): slots restored from it, the prefill
+    # tokens that spared, and restores that failed (the slot started empty)
+    cache_hits: int = 0
+    cache_tokens: int = 0
+    cache_failures: int = 0
     errors: int = 0
     busy_s: float = 0.0
     sync_s: float = 0.0  # drafting on the spot while vLLM waited
@@ -98,6 +103,9 @@ class DraftStats:
             "shorter_roots": self.shorter_roots,
             "hedges": self.hedges,
             "hedge_hits": self.hedge_hits,
+            "cache_hits": self.cache_hits,
+            "cache_tokens": self.cache_tokens,
+            "cache_failures": self.cache_failures,
             "errors": self.errors,
             "busy_fraction": self.busy_s / wall if wall > 0 else 0.0,
             "busy_s": self.busy_s,

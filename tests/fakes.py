@@ -53,6 +53,14 @@ class FakeBackend:
         assert len(d) == p0, "copy must append to a sequence that ends at p0"
         self.seqs[dst] = d + s[p0:end]
 
+    def save(self, seq_id: int) -> bytes:
+        return np.asarray(self.seqs.get(seq_id, []), dtype=np.int64).tobytes()
+
+    def restore(self, seq_id: int, state: bytes) -> bool:
+        assert not self.seqs.get(seq_id), "restore into a sequence that is not empty"
+        self.seqs[seq_id] = np.frombuffer(state, dtype=np.int64).tolist()
+        return True
+
     def decode(self, items):
         self.decode_calls += 1
         out = []

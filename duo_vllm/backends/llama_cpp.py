@@ -157,6 +157,30 @@ class LlamaCppBackend:
         """Make ``dst`` share ``src``'s cells at positions ``[p0, p1)`` (no data is copied)."""
         self._lib.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
 
+    def save(self, seq_id: int) -> bytearray:
+        """A sequence's cells (positions, keys, values), for :meth:`restore`."""
+        lib = self._lib
+        size = int(lib.llama_state_seq_get_size(self._ctx, seq_id))
+        if size <= 0:
+            return bytearray()
+        buf = bytearray(size)
+        view = (ctypes.c_uint8 * size).from_buffer(buf)
+        n = int(lib.llama_state_seq_get_data(self._ctx, view, size, seq_id))
+        del view  # (a bytearray with a view on it cannot be resized)
+        if n < size:
+            del buf[max(n, 0):]
+        return buf
+
+    def restore(self, seq_id: int, state: bytearray) -> bool:
+        """Load what :meth:`save` returned into the (empty) sequence ``seq_id``; False
+        where llama.cpp could not (no room for its cells)."""
+        if not state:
+            return False
+        if not isinstance(state, bytearray):
+            state = bytearray(state)
+        buf = (ctypes.c_uint8 * len(state)).from_buffer(state)
+        return int(self._lib.llama_state_seq_set_data(self._ctx, buf, len(state), seq_id)) > 0
+
     def decode(self, items: list[tuple[int, np.ndarray, int]]) -> list[np.ndarray]:
         """Evaluate several sequences' new tokens in as few llama_decode calls as fit.
 
