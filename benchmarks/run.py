@@ -627,7 +627,7 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                          f"{c.get('hedges')}, hits on them {c.get('hedge_hits')}); "
                          f"prompts restored from the draft's prompt cache "
                          f"{c.get('cache_hits')} ({c.get('cache_tokens')} prefill tokens "
-                         f"spared; prefilled {(c.get('draft_tokens_evaluated') or {}).get('prefill')})"
+                         "spared)"
                          + (f"; steps on the draft's core too {c['lent_steps']} "
                             f"({c.get('lend_switches')} switches, oneDNN matmuls remade "
                             f"{c.get('matmul_remakes')} times, not remade for a prompt "

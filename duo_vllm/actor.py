@@ -328,8 +328,7 @@ class DraftWorker:
         out["draft_call_ms_by_width"] = {w: 1e3 * s for w, s in
                                          self.drafter.draft_time.table().items()}
         cache = self.drafter.cache
-        out["cache_entries"] = 0 if cache is None else len(cache)
-        out["cache_mb"] = 0.0 if cache is None else cache.bytes / 2 ** 20
+        out["cache_mb"] = 0.0 if cache is None else cache.bytes / 2 ** 20  # a gauge (float)
         acc = self.drafter.acceptance
         out["acceptance_greedy"] = acc.regime_alpha("greedy")
         out["acceptance_sampled"] = acc.regime_alpha("sampled")

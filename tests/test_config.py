@@ -30,6 +30,9 @@ def test_defaults_are_valid():
     ({"draft_quant": "q3_k"}, "draft_quant"),
     ({"draft_window": 8}, "draft_window"),
     ({"draft_window": "all"}, "draft_window"),
+    ({"prompt_cache_mb": -1}, "prompt_cache_mb"),
+    ({"prompt_cache_mb": 0.5}, "prompt_cache_mb"),
+    ({"prompt_cache_mb": True}, "prompt_cache_mb"),
 ])
 def test_bad_values_name_the_option(bad, words):
     with pytest.raises(DuoConfigError, match=words):

@@ -22,9 +22,11 @@ COMBOS = {
     "serial": ({"parallel": False, "multi_sequence": True, "budget": 4, **WAIT}, False),
     "parallel-single-auto": ({"parallel": True, "multi_sequence": False, "budget": "auto"}, True),
     # lookup drafts may run to 8 tokens, the draft model's to 4 (max_draft_len); no gate:
-    # both sources every step (the gate may rightly prefer lookups alone, tests/test_gate.py)
+    # both sources every step (the gate may rightly prefer lookups alone, tests/test_gate.py);
+    # four draft slots for the ten prompts, then the first three again: their slots went
+    # to others, and the prompt cache gives their draft sequences back
     "parallel-multi-auto": ({"parallel": True, "multi_sequence": True, "budget": "auto",
-                             "max_draft_len": 4, "gate": False}, True),
+                             "max_draft_len": 4, "gate": False, "max_sequences": 4}, True),
     "parallel-multi-auto-batched": ({}, False),  # the defaults, ten requests at once
     # (a fixed budget: "serial" here, and pre-drafted branch trees under sampling,
     # tests/test_distribution.py)
@@ -36,18 +38,23 @@ ENV = {"lend": {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}}
 
 
 LOOKUP_K = {"parallel-multi-auto": 8}
+AGAIN = {"parallel-multi-auto": 3}  # prompts asked again after the ten
 
 
 @pytest.mark.parametrize("combo", list(COMBOS))
 def test_greedy_output_equals_plain_vllm(combo, session_tmp, target_dir, specbench_chat,
                                          plain_greedy):
     duo_cfg, sequential = COMBOS[combo]
-    duo = run_vllm(session_tmp, f"duo-{combo}", target=target_dir, prompts=specbench_chat,
+    again = AGAIN.get(combo, 0)
+    duo = run_vllm(session_tmp, f"duo-{combo}", target=target_dir,
+                   prompts=specbench_chat + specbench_chat[:again],
                    max_tokens=64, sequential=sequential,
                    env={**E2E_ENV, **ENV.get(combo, {})},
                    speculative_config=speculative_config(LOOKUP_K.get(combo, 4), duo_cfg))
     assert len(specbench_chat) >= 10
-    for i, (want, got) in enumerate(zip(plain_greedy["token_ids"], duo["token_ids"])):
+    want_ids = plain_greedy["token_ids"] + plain_greedy["token_ids"][:again]
+    assert len(duo["token_ids"]) == len(want_ids)
+    for i, (want, got) in enumerate(zip(want_ids, duo["token_ids"])):
         assert got == want, f"{combo}, prompt {i}: DuoProposer output differs from plain vLLM"
     m = duo["metrics"]
     stats = duo["draft_stats"]
@@ -64,6 +71,9 @@ def test_greedy_output_equals_plain_vllm(combo, session_tmp, target_dir, specben
     if combo in LOOKUP_K:  # rag and summarization answers quote their prompt: free drafts
         assert stats["lookup_tokens_served"] > 0, stats
         assert stats["lookup_tokens_accepted"] > 0, stats
+    if again:  # the prompts asked again were restored from the draft's prompt cache
+        assert stats["cache_hits"] >= 1 and stats["cache_tokens"] > 0, stats
+        assert stats["cache_failures"] == 0, stats
     # the draft ran in the Ray actor, pinned to core 1, next to a target on core 0
     assert "DuoProposer: draft" in duo["log"] and "cores [1]" in duo["log"], duo["log"][-3000:]
     assert stats["returned_tokens"] + stats["lookup_tokens_served"] >= m["proposed"], stats
