@@ -40,7 +40,7 @@ class Entry:
     tokens: np.ndarray  # as the slot held them (its view of the request)
     head: int  # the slot's window (state.Slot): its first ``head`` tokens ...
     offset: int  # ... and the request's from ``offset`` on
-    state: bytes
+    state: bytes | bytearray  # the backend's save() of its sequence
 
     def match(self, ctx: np.ndarray) -> int:
         """Tokens of ``ctx``, as this entry's window holds it, that the entry holds
@@ -70,7 +70,8 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, tokens: np.ndarray, head: int, offset: int, state: bytes) -> None:
+    def put(self, tokens: np.ndarray, head: int, offset: int,
+            state: bytes | bytearray) -> None:
         """Keep a sequence's state; an entry it extends (same window, a prefix of its
         tokens) goes, being of no more use."""
         if len(state) > self.max_bytes or not len(tokens):
