@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .state import common_prefix_len, window_match
+from .state import common_prefix_len, saves_work, window_match
 
 # a restore is a copy of a few MB (23 KB a token for the default draft): worth it for
 # far fewer tokens than a prefill chunk, but not for the chat template alone
@@ -53,7 +53,7 @@ def restore_pays(match: int, reuse: int, view_len: int, fresh: int) -> bool:
     ``reuse`` of it already? Where it spares at least MIN_RESTORE tokens of prefill,
     and leaves less to evaluate than a window taken afresh (``fresh`` tokens; the
     entry's own view of the context is ``view_len`` long)."""
-    return match - reuse >= MIN_RESTORE and view_len - match < fresh
+    return match - reuse >= MIN_RESTORE and saves_work(view_len, match, fresh)
 
 
 class PromptCache:

@@ -87,6 +87,12 @@ def window_match(held, head: int, offset: int, ctx: np.ndarray) -> int:
     return m if m > head or not offset else 0  # a shared head is no match
 
 
+def saves_work(view_len: int, match: int, fresh: int) -> bool:
+    """Does a sequence holding ``match`` tokens of a context's ``view_len``-token view
+    leave less to evaluate than a slot taken afresh (``fresh`` tokens, its window)?"""
+    return view_len - match < fresh
+
+
 def pool_window(window: int | None, n_ctx: int) -> int | None:
     """The tokens of a request the draft sees: ``window`` (``None`` or 0: the whole
     context), at most half the draft's context so that a full window slides on by
@@ -158,7 +164,7 @@ class SlotPool:
                 # a match saves work only where it leaves less to evaluate than a slot
                 # taken afresh: a long prompt that shares a preamble with a short one
                 # before it would get that one's whole-context view, not a window
-                if m >= need and len(slot.view(ctx)) - m < fresh:
+                if m >= need and saves_work(len(slot.view(ctx)), m, fresh):
                     pairs.append((m, slot.last_used, -i, slot.seq_id))
         taken: set[int] = set()
         out: list[Assignment | None] = [None] * len(contexts)
