@@ -31,6 +31,8 @@ Methods (2-core machine: DuoProposer's target on core 0, its draft on core 1):
   duo-argmax   duo-lend drafting the argmax for sampled requests too (no sampled_drafts:
                the ablation)
   duo-lend-nolookup  duo-lend without lookup drafts
+  duo-lookup-only  DuoProposer with lookup drafts alone (lookup_only: no draft model, no
+               actor), target on all cores: what the lookups give without the model
   duo-lend-rpc       duo-lend, vLLM's engine core asking for the drafts after each step
   duo-lend-nogate  duo-lend without the gate: the draft model drafts at every step (the
                gate's ablation)
@@ -103,6 +105,8 @@ METHODS = {
                                             "budget": "auto", "prompt_cache_mb": 0}),
     "duo-lend-nolookup": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
                                              "budget": "auto", "lookup": False}),
+    # lookups alone: no draft model, no actor, the target on every core
+    "duo-lookup-only": dict(bind="0-1", duo={"budget": "auto", "lookup_only": True}),
     "duo-nolookup": dict(bind="0", duo={"parallel": True, "multi_sequence": True,
                                         "budget": "auto", "lookup": False}),
     "duo-fullctx": dict(bind="0", duo={"parallel": True, "multi_sequence": True,
@@ -381,7 +385,9 @@ def method_spec(name: str, target: str, draft: str | None = None, k: int = K,
     if "duo" in m:
         from duo_vllm.cli import speculative_config
 
-        duo = dict(m["duo"], draft_cores=[1])
+        duo = dict(m["duo"])
+        if not duo.get("lookup_only"):
+            duo["draft_cores"] = [1]
         if duo.get("budget") == K:
             duo["budget"] = k
         if draft:

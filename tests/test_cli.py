@@ -46,6 +46,9 @@ def test_default_core_split_follows_the_lending_and_draft_core_options(monkeypat
     assert bind(["--duo", '{"lend_cores": true}'], {"DUO_VLLM_CONFIG": '{"lend_cores": false}'}) \
         == "0,1,2,3"  # --duo wins over the environment, as in DuoProposer
     assert bind(["--duo", '{"draft_cores": [1]}']) == "0,2,3"
+    # lookups only: no draft, so no core is kept from the target
+    assert bind(["--duo", '{"lookup_only": true, "lend_cores": false, "draft_cores": [1]}']) \
+        == "0,1,2,3"
     with pytest.raises(SystemExit):  # a bad $DUO_VLLM_CONFIG fails before vLLM starts
         bind([], {"DUO_VLLM_CONFIG": '{"lend_cores": "maybe"}'})
 

@@ -33,6 +33,8 @@ def test_defaults_are_valid():
     ({"prompt_cache_mb": -1}, "prompt_cache_mb"),
     ({"prompt_cache_mb": 0.5}, "prompt_cache_mb"),
     ({"prompt_cache_mb": True}, "prompt_cache_mb"),
+    ({"lookup_only": "yes"}, "lookup_only"),
+    ({"lookup_only": True, "lookup": False}, "lookup_only .*needs lookup: true"),
 ])
 def test_bad_values_name_the_option(bad, words):
     with pytest.raises(DuoConfigError, match=words):

@@ -492,6 +492,21 @@ def test_prefetched_prompt_is_prefilled_before_its_first_step_and_hits():
     assert 0 < d.stats.as_dict()["busy_fraction"] <= 1  # the prefill counts, from its start
 
 
+def test_a_prefetched_slot_is_free_again_once_its_request_came_and_went():
+    """A prefetched prompt's slot is held for it until its request shows up; after
+    that the request's slot is an ordinary one: when it has finished, the next new
+    prompt may take it (before, the queued name held it for QUEUED_TTL calls, and a
+    pool full of such slots left new prompts without a draft)."""
+    be, d = make(parallel(multi_sequence=False, budget=3), n_ctx=1000, seqs=1)
+    first = ctx(*[(7 * i) % 50 for i in range(40)])
+    assert d.prefetch([first]) == 1
+    d.predraft()
+    d.propose([np.append(first, np.int32(be.next_token(int(first[-1]))))], [3])
+    assert d.pool.slots[0].queued is None  # named by its request now, not by the prompt
+    d.live = set()  # the request finished: the next step does not have it
+    second = ctx(*[(3 * i + 1) % 50 for i in range(40)])
+    assert d.prefetch([second]) == 1 and d.stats.no_slot == 0
+
 def test_prefetch_is_off_in_serial_mode_and_gives_each_request_its_slot():
     be, d = make(serial())
     assert d.prefetch([ctx(1, 2, 3)]) == 0 and d.jobs == []

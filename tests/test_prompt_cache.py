@@ -183,7 +183,6 @@ def test_a_prefetched_prompt_seen_before_is_restored_and_its_first_step_hits():
               for j in (1, 2)]
 
     def request(p):  # vLLM prefills it, then its first step
-        d.pool.clock += SlotPool.QUEUED_TTL  # (other traffic since: no slot is held for it)
         assert d.prefetch([p]) == 1
         d.predraft()
         b = be.next_token(int(p[-1]))

@@ -81,6 +81,37 @@ def test_missing_draft_file_names_the_fix(target_dir):
                                                  "draft_model": "/nonexistent/d.gguf"}))
 
 
+def test_lookup_only_starts_no_draft_side_and_serves_the_contexts_copies(
+        target_dir, monkeypatch, caplog):
+    """lookup_only: no draft model, no actor, no prefetch; the drafts are copies from the
+    context, scored as ever, and the periodic stats line comes without a draft side."""
+    import duo_vllm.proposer as proposer_mod
+
+    def no_draft_side(*_, **__):
+        raise AssertionError("lookup_only started a draft side")
+
+    monkeypatch.setattr(proposer_mod, "DraftWorker", no_draft_side)
+    monkeypatch.setattr(proposer_mod, "ActorClient", no_draft_side)
+    p = DuoProposer(vllm_config(target_dir, duo={"lookup_only": True}))
+    assert p._client is None and p._worker is None and not p._prefetch and not p._on
+    for e in range(5):  # the target's steps: verifying a token is nearly free
+        p.step_time.observe(1, e, 0.050 + 0.0001 * e)
+    ctx = [5, 6, 7, 8, 9, 10, 5, 6]  # "5 6" came before, followed by 7 8 9 10
+    ids, n = batch([ctx])
+    assert p.propose([[6]], n, ids) == [[7, 8, 9, 10]]
+    ids, n = batch([ctx + [7, 8, 11]])  # two accepted, then the target's own token
+    p._stats_logged_at = float("-inf")  # the periodic stats line is due
+    with caplog.at_level(logging.INFO):
+        p.propose([[11]], n, ids)
+    assert "lookups only" in caplog.text
+    s = p.stats()
+    assert s["lookup_tokens_served"] == 4 and s["lookup_tokens_accepted"] == 2
+    assert s["propose_errors"] == 0
+    p.hold()  # held: plain decoding, nothing to pause
+    assert p.propose([[4]], *batch([ctx + [7, 8, 11, 4]])[::-1]) == [[]]
+    assert p.stats()["propose_errors"] == 0
+
+
 def test_corrupt_gguf_is_rejected(target_dir, tmp_path):
     bad = tmp_path / "corrupt.gguf"
     bad.write_bytes(b"GGUF" + os.urandom(4096))
