@@ -107,6 +107,8 @@ METHODS = {
                                              "budget": "auto", "lookup": False}),
     # lookups alone: no draft model, no actor, the target on every core
     "duo-lookup-only": dict(bind="0-1", duo={"budget": "auto", "lookup_only": True}),
+    "duo-lookup-only-base": dict(bind="0-1", base=True, duo={"budget": "auto",
+                                                              "lookup_only": True}),
     "duo-nolookup": dict(bind="0", duo={"parallel": True, "multi_sequence": True,
                                         "budget": "auto", "lookup": False}),
     "duo-fullctx": dict(bind="0", duo={"parallel": True, "multi_sequence": True,

@@ -322,12 +322,12 @@ class DuoProposer:
         temps_or_0 = temps or [0.0] * len(rows)
         keys = self._request_keys(rows)
         if self._runner is not None and self._gated:  # it needs request ids to count tokens
+            key = keys[0] if batch == 1 else None  # batch 1: the gates judge per request
             if not self.config.lookup_only:  # (lookups only: the draft model is always off)
-                key = keys[0] if batch == 1 else None  # batch 1: the gate pairs by request
                 was_on, self._on = self._on, self.gate.drafting(batch, self._sampled, key)
                 if was_on and not self._on:
                     self._pause_draft()
-            self._lookups_on, self._lookup_trial = self._lookup_mode(batch)
+            self._lookups_on, self._lookup_trial = self._lookup_mode(batch, key)
         lookups = self._lookups(keys, contexts, lookup_caps, serve=self._lookups_on)
         disabled = getattr(self._client, "disabled", False)
         if not self._on or disabled:
@@ -382,15 +382,15 @@ class DuoProposer:
                 self._engine_place is not None:
             self._engine_place.use(lend)
 
-    def _lookup_mode(self, batch: int) -> tuple[bool, bool]:
+    def _lookup_mode(self, batch: int, key=None) -> tuple[bool, bool]:
         """(serve lookup drafts?, is the step a sample for the lookup gate?) With the draft
         model on, lookups are part of its mode. While the model gate tries plain decoding
         its steps measure "off" as it stands: the lookup gate's mode, without trials."""
         if self._on or self.lookup is None:
             return True, False
         if self.gate.trying(batch, self._sampled):
-            return self.lookup_gate.mode(batch, self._sampled), False
-        return self.lookup_gate.drafting(batch, self._sampled), True
+            return self.lookup_gate.mode(batch, self._sampled, key), False
+        return self.lookup_gate.drafting(batch, self._sampled, key), True
 
     def _request_keys(self, rows: list[int]) -> list:
         """Each row's request id (vLLM's input batch), else ``("row", i)``."""

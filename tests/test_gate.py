@@ -270,6 +270,28 @@ def test_lookup_modes_that_tie_keep_lookups_outside_the_trials():
     assert modes.count(False) == 16 * len(trials)  # the trials' plain steps, no others
 
 
+def test_a_lookup_verdict_for_plain_decoding_at_batch_1_holds_for_its_request_only():
+    """Batch 1: a request where copies are rarely accepted (plain decoding a little
+    faster), then one that quotes its prompt (lookups 3x faster). The trial on the
+    first says plain decoding; the second starts with lookups again, and the model
+    gate's view of "off" (``mode``) follows it."""
+    from duo_vllm.gate import LookupGate
+
+    gate = LookupGate(trial_steps=16, retry_every=256)
+    for _ in range(40):  # request "a": its trial, then plain decoding
+        on = gate.drafting(1, key="a")
+        gate.observe(1, on, tokens=1, seconds=1 / (23.6 if on else 24.7), key="a")
+    assert gate.log[-1][2:4] == ("plain", "interleaved") and not gate.mode(1, key="a")
+    assert gate.mode(1, key="b")  # the next request: lookups (the model gate's trial)
+    assert gate.log[-1][2:4] == ("lookup", "next request")
+    modes = [gate.drafting(1, key="b") for _ in range(50)]
+    assert all(modes)  # no trial till the retry interval: its plain verdict is over
+    # unkeyed steps (batch 1 without request ids) keep the verdict as before
+    other = LookupGate(trial_steps=16, retry_every=256)
+    run_gate(other, 1, rate_on=23.6, rate_off=24.7, steps=40)
+    assert not other.drafting(1) and not other.mode(1)
+
+
 def run_requests(gate, lengths, rates, keyed=True, told=True):
     """Batch-1 traffic: request i runs ``lengths[i]`` steps at ``rates[i]`` = (on, off)
     tokens/s (``keyed``: the steps are paired by request; ``told``: the gate also

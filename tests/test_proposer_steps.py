@@ -393,8 +393,8 @@ def test_with_the_model_off_a_second_gate_picks_lookups_or_plain_decoding(clock)
     for e in range(0, 5):  # verifying a token is nearly free: a lookup token pays
         p.step_time.observe(1, e, 0.050 + 0.0001 * e)
     p.gate.drafting = lambda b, sampled, key=None: False  # the draft model is off
-    modes = iter([True, False, False])
-    p.lookup_gate.drafting = lambda b, sampled: next(modes)
+    modes, asked = iter([True, False, False]), []
+    p.lookup_gate.drafting = lambda b, sampled, key=None: (asked.append(key), next(modes))[1]
     seen, seen_lookup = [], []
     p.gate.observe = lambda b, on, tokens, s, sampled, key: seen.append((on, tokens))
     p.lookup_gate.observe = lambda b, on, tokens, s, sampled, key: seen_lookup.append(
@@ -414,6 +414,7 @@ def test_with_the_model_off_a_second_gate_picks_lookups_or_plain_decoding(clock)
     # both gates saw each step; the lookup gate knows which of its modes ran
     assert seen == [(False, 3), (False, 1)]
     assert seen_lookup == [(True, 3), (False, 1)]
+    assert asked == ["a"] * 3  # batch 1: the lookup gate is told the request
     assert p.stats()["gate_no_draft_steps"] == 0  # the gate was stubbed: it counted nothing
 
 
@@ -425,7 +426,7 @@ def test_the_lookup_gate_is_only_asked_while_the_draft_model_is_off(clock):
     p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
         temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])))
     p.gate.drafting = lambda b, sampled, key=None: True
-    p.lookup_gate.drafting = lambda b, sampled: pytest.fail("asked with the model on")
+    p.lookup_gate.drafting = lambda b, sampled, key=None: pytest.fail("asked with the model on")
     p.lookup_gate.observe = lambda *a: pytest.fail("a model step is no lookup-gate sample")
     for ctx in ([5, 6, 7, 5, 6], [5, 6, 7, 5, 6, 7, 9]):
         sampled, n, ids = inputs([ctx])
@@ -445,8 +446,8 @@ def test_while_the_model_gate_tries_plain_decoding_the_lookup_gate_holds_its_mod
         temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])))
     p.gate.drafting = lambda b, sampled, key=None: False
     p.gate.trying = lambda b, sampled: True  # a trial of "off" is under way
-    p.lookup_gate.mode = lambda b, sampled: False  # the lookup gate has plain decoding
-    p.lookup_gate.drafting = lambda b, sampled: pytest.fail("a lookup trial inside it")
+    p.lookup_gate.mode = lambda b, sampled, key=None: False  # the lookup gate has plain decoding
+    p.lookup_gate.drafting = lambda b, sampled, key=None: pytest.fail("a lookup trial inside it")
     p.lookup_gate.observe = lambda *a: pytest.fail("its steps are no lookup-gate samples")
     ctx = [5, 6, 7, 8, 9, 10, 5, 6]
     for _ in range(3):
