@@ -306,7 +306,9 @@ class DraftGate(_GateRates):
         """The end of a trial: the faster mode on the request both modes ran on longest,
         where there is one (paired), else over the modes' recent steps (``current``: the
         request of this step, where keyed)."""
-        self._pairing.pop(b, None)
+        # drafting's trial on a new request after a verdict for plain decoding scoped to
+        # the one before (not paired: it was not slower than plain decoding's rates)
+        fresh = self._pairing.pop(b, None) is True
         key = self._best_pair(b)
         paired = self._paired.pop(b, {})
         if key is None:
@@ -319,8 +321,12 @@ class DraftGate(_GateRates):
         else:
             how, rates = "paired", tuple(paired[(key, m)][0] / paired[(key, m)][1]
                                          for m in (True, False))
-        # a tie is no evidence: the mode from before the trial (not the one on trial) stays
-        on = drafting_wins(*rates, self.margin, tie_on=not self._mode[b])
+        # a tie is no evidence: the mode from before the trial (not the one on trial)
+        # stays; on a new request after a scoped verdict that is drafting (the verdict
+        # was the last request's), as it was when the trial skipped its pairing
+        # (faster_on: a tie). Else a tie there turned drafting off, unscoped, for a retry
+        # interval: 256 batch-1 steps of requests that drafted at twice the speed.
+        on = drafting_wins(*rates, self.margin, tie_on=fresh or not self._mode[b])
         if on:
             self._scope.pop(b, None)  # drafting won: no new trial at the next request
             self._wins.pop(b, None)

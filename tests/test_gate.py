@@ -292,6 +292,18 @@ def test_a_lookup_verdict_for_plain_decoding_at_batch_1_holds_for_its_request_on
     assert not other.drafting(1) and not other.mode(1)
 
 
+def test_a_tie_on_drafting_trial_on_the_next_request_keeps_drafting():
+    """Batch 1: plain decoding wins on request 0 (scoped to it); request 1 drafts
+    about as fast as plain decoding ran (a tie: no pairing trial); request 2 drafts at
+    twice the speed. The tie keeps drafting on, on request 1 and after it (it once
+    turned drafting off, unscoped, for a retry interval of steps)."""
+    gate = DraftGate()
+    modes = run_requests(gate, [100, 100, 100], [(20.0, 30.0), (29.8, 30.0), (60.0, 30.0)])
+    assert not any(modes[0][-20:])  # plain decoding won on request 0
+    assert all(modes[1]) and all(modes[2])
+    assert ("1", "on", "rates") in [tuple(e[1:4]) for e in gate.log]
+
+
 def run_requests(gate, lengths, rates, keyed=True, told=True):
     """Batch-1 traffic: request i runs ``lengths[i]`` steps at ``rates[i]`` = (on, off)
     tokens/s (``keyed``: the steps are paired by request; ``told``: the gate also
