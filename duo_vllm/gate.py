@@ -63,6 +63,11 @@ class _GateRates:
                          self.labels[0 if on else 1], how,
                          *(None if r is None else round(r, 1) for r in rates)))
 
+    def _next_request(self, b, key) -> bool:
+        """Does request ``key`` follow the one a verdict for plain decoding in bucket
+        ``b`` was scoped to (``self._scope``: bucket -> that request)?"""
+        return key is not None and self._scope.get(b, key) != key
+
     def rates(self) -> dict[str, float]:
         return {f"{1 << b}{'s' if sampled else ''}+{self.labels[0 if on else 1]}": r
                 for ((b, sampled), on), r in sorted(self._rate.items())}
@@ -209,11 +214,6 @@ class DraftGate(_GateRates):
         if not on:
             self.plain_steps += 1
         return on
-
-    def _next_request(self, b, key) -> bool:
-        """Does request ``key`` follow the one a verdict for plain decoding in bucket
-        ``b`` was scoped to?"""
-        return key is not None and self._scope.get(b, key) != key
 
     def _start_trial(self, b, on: bool) -> None:
         """Mode ``on`` goes on trial in bucket ``b``, measured afresh: its decayed sums
@@ -445,15 +445,14 @@ class LookupGate(_GateRates):
         self._rate: dict = {}  # (bucket, on) -> tokens/s: the ratio of those sums
         self.plain_steps = 0  # steps the gate left to plain decoding
         self.log: deque = deque(maxlen=32)  # the last trials and verdicts, for stats
-        self._plain_for: dict = {}  # batch-1 bucket -> the request its plain verdict fell on
-        self._key = None  # the request of the last batch-1 step asked about
+        self._scope: dict = {}  # bucket -> the request a verdict for plain decoding holds for
 
     def drafting(self, batch: int, sampled: bool = False, key=None) -> bool:
         """The mode for a step of ``batch`` requests (and the bookkeeping of the trials;
         ``key``: the request, at batch 1; a trial pairs by itself)."""
         b = self.bucket(batch, sampled)
         clock = self._clock[b] = self._clock.get(b, 0) + 1
-        self._next_request(b, key)
+        self._end_scope(b, key)
         if b not in self._mode:
             self._mode[b] = True
             self._start_trial(b)
@@ -463,7 +462,7 @@ class LookupGate(_GateRates):
         trial = self._trial.get(b)
         if trial is not None:
             if trial.steps >= 2 * self.trial_steps and trial.measured(self.min_samples):
-                on = self._verdict(b)
+                on = self._verdict(b, key)
             else:
                 on = trial.next_mode()
         if not on:
@@ -474,25 +473,25 @@ class LookupGate(_GateRates):
         self._trial[b] = _Trial()
         self._note(b, self._mode[b], "trial")
 
-    def _verdict(self, b) -> bool:
-        """The end of a trial: the faster mode over the trial's interleaved steps."""
+    def _verdict(self, b, key=None) -> bool:
+        """The end of a trial: the faster mode over the trial's interleaved steps (``key``:
+        the request of this step, at batch 1, which a verdict for plain decoding holds for)."""
         trial = self._trial.pop(b)
         rates = trial.rate(True), trial.rate(False)
         on = self._mode[b] = drafting_wins(*rates, self.margin, tie_on=self._mode[b])
         self._judged_at[b] = self._clock[b]
         self._note(b, on, "interleaved", *rates)
-        if not on and b[0] == 0 and self._key is not None:
-            self._plain_for[b] = self._key  # batch 1: it speaks for this request
+        if on:
+            self._scope.pop(b, None)
+        elif key is not None:
+            self._scope[b] = key
         return on
 
-    def _next_request(self, b, key) -> None:
-        """At batch 1, a plain verdict's request is over (``key`` is another): lookups
-        again, with no trial (the next comes at the retry interval as ever)."""
-        if b[0] != 0 or key is None:
-            return
-        self._key = key
-        if b in self._plain_for and self._plain_for[b] != key and b not in self._trial:
-            del self._plain_for[b]
+    def _end_scope(self, b, key) -> None:
+        """A plain verdict's request is over (``key`` is another): lookups again, with no
+        trial (the next comes at the retry interval as ever)."""
+        if self._next_request(b, key) and b not in self._trial:
+            del self._scope[b]
             self._mode[b] = True
             self._note(b, True, "next request")
 
@@ -505,7 +504,7 @@ class LookupGate(_GateRates):
         bookkeeping; at batch 1 a plain verdict ends with its request, as in
         :meth:`drafting`)."""
         b = self.bucket(batch, sampled)
-        self._next_request(b, key)
+        self._end_scope(b, key)
         return self._mode.get(b, True)
 
     def observe(self, batch: int, on: bool, tokens: int, seconds: float,
