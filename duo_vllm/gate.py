@@ -96,7 +96,8 @@ class DraftGate(_GateRates):
     mode that won at the nearest smaller judged one; where that was plain
     decoding, or drafting but more than ``reach`` buckets below, it starts
     plain and waits as long for its first trial of drafting (a server does not
-    pay a trial at each new batch size where drafting is unlikely to pay).
+    pay a trial at each new batch size where drafting is unlikely to pay). Where
+    no smaller one is judged yet, drafting counts as batch 1's winner.
     Modes change only at the end of a trial: a dip between trials (the steps while the draft prefills
     a new long prompt, say) does not turn drafting off until the next trial.
     A trial the traffic leaves (its batch size not seen again within
@@ -279,13 +280,16 @@ class DraftGate(_GateRates):
     def first_mode(self, b) -> bool:
         """A new bucket's first mode: the verdict of the nearest smaller batch size judged
         in both modes, in the same regime or, for sampled steps, a greedy one (drafting
-        pays less as the batch grows, and under sampling); drafting where none is."""
+        pays less as the batch grows, and under sampling). Where none is, drafting as if
+        it had won at batch 1: so within ``reach`` buckets of it, and plain decoding
+        above (a server whose first traffic is a burst of 16 requests once drafted them
+        all on the target's own core, the draft prefilling 16 prompts: 0.76x plain vLLM)."""
         size, sampled = b
         judged = [(s, r == sampled) for (s, r), _ in self._rate
                   if s <= size and (r == sampled or sampled) and
                   ((s, r), True) in self._rate and ((s, r), False) in self._rate]
         if not judged:
-            return True
+            return self.reach is None or size <= self.reach
         s, same = max(judged)  # the nearest size; the same regime first
         near = (s, sampled if same else False)
         if self.reach is not None and size - s > self.reach:

@@ -16,7 +16,8 @@ def run_gate(gate, batch, rate_on, rate_off, steps):
 
 
 def test_gate_turns_drafting_off_where_plain_decoding_is_faster_and_retries_it():
-    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    # (reach=None: drafting is tried first at any batch size where nothing is judged yet)
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100, reach=None)
     modes = run_gate(gate, 16, rate_on=90.0, rate_off=100.0, steps=400)
     assert modes[:12] == [True] * 12  # drafting is tried first (with its warm-up)
     tail = modes[50:]
@@ -24,10 +25,10 @@ def test_gate_turns_drafting_off_where_plain_decoding_is_faster_and_retries_it()
     assert any(tail)  # ... with drafting tried again now and then
     assert gate.plain_steps == modes.count(False)
     # a mode far slower (here 1.5x) is retried 4x less often, once it lost twice
-    far = run_gate(DraftGate(trial_steps=10, warmup_steps=2, retry_every=100), 16,
-                   rate_on=60.0, rate_off=100.0, steps=800)
-    near = run_gate(DraftGate(trial_steps=10, warmup_steps=2, retry_every=100), 16,
-                    rate_on=90.0, rate_off=100.0, steps=800)
+    far = run_gate(DraftGate(trial_steps=10, warmup_steps=2, retry_every=100, reach=None),
+                   16, rate_on=60.0, rate_off=100.0, steps=800)
+    near = run_gate(DraftGate(trial_steps=10, warmup_steps=2, retry_every=100, reach=None),
+                    16, rate_on=90.0, rate_off=100.0, steps=800)
     assert sum(far[:300]) == sum(near[:300])  # the first two retries come as often
     assert sum(far[350:]) < sum(near[350:])
 
@@ -87,7 +88,15 @@ def test_the_longer_wait_counts_the_losses_of_the_mode_retried_only():
 
 def test_a_new_batch_size_starts_in_the_mode_that_won_at_the_nearest_smaller_one():
     gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
-    assert gate.drafting(2)  # nothing judged yet: drafting first
+    assert gate.drafting(2)  # nothing judged yet: drafting first, as batch 1's winner ...
+    # ... so within reach of batch 1 only: a first burst of 16 requests starts plain (it
+    # drafted on the target's own core at 0.76x plain vLLM), and waits a retry interval
+    modes = run_gate(DraftGate(trial_steps=10, warmup_steps=2, retry_every=100), 16,
+                     rate_on=150.0, rate_off=100.0, steps=160)
+    assert modes[:100] == [False] * 100 and all(modes[-20:])
+    lending = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100, reach=0)
+    assert not lending.drafting(2) and lending.drafting(1) and lending.drafting(1, True)
+    assert DraftGate(reach=None).drafting(16)
     gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
     run_gate(gate, 1, rate_on=40.0, rate_off=20.0, steps=60)  # batch 1: drafting pays
     run_gate(gate, 2, rate_on=20.0, rate_off=30.0, steps=60)  # batch 2-3: it does not
@@ -411,7 +420,7 @@ def test_a_scope_ends_where_drafting_wins_again_on_its_request():
 
 
 def test_the_log_keeps_each_trial_and_verdict_with_how_it_was_reached():
-    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100, reach=None)
     run_gate(gate, 16, rate_on=90.0, rate_off=100.0, steps=60)
     assert [x[1:4] for x in gate.log] == [("16", "off", "trial"), ("16", "off", "rates")]
     assert gate.log[1][4:] == (90.0, 100.0)  # tokens/s on, off
@@ -434,7 +443,7 @@ def test_a_trial_the_traffic_leaves_is_abandoned():
     # (too few of its steps measured to judge it: the mode before it)
     assert ("16", "off", "abandoned") in [x[1:4] for x in gate.log]
     # a trial that the traffic keeps coming back to is judged as before
-    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100)
+    gate = DraftGate(trial_steps=10, warmup_steps=2, retry_every=100, reach=None)
     for _ in range(10):
         run_gate(gate, 16, rate_on=150.0, rate_off=200.0, steps=4)
         run_gate(gate, 8, rate_on=120.0, rate_off=180.0, steps=4)
