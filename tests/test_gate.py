@@ -272,11 +272,33 @@ def test_lookup_modes_that_tie_keep_lookups_outside_the_trials():
     gate = LookupGate(trial_steps=16, retry_every=256)
     modes = run_gate(gate, 4, rate_on=50.0, rate_off=50.0, steps=3000)
     trials = [entry for entry in gate.log if entry[3] == "interleaved"]
-    # a trial's 2 x 16 interleaved steps, its verdict's step, then 256 steps held
-    full_cycles, left = divmod(3000, 2 * 16 + 1 + 256)
-    assert len(trials) == full_cycles + (left > 2 * 16) and not gate.trying(4)
+    # a trial's 2 x 16 interleaved steps, its verdict's step, then 64 steps held (a
+    # quarter of the retry interval: a verdict this close is weak evidence)
+    full_cycles, left = divmod(3000, 2 * 16 + 1 + 256 // 4)
+    assert not gate.trying(4)
     assert all(entry[2] == "lookup" for entry in trials)  # a tie keeps the mode before
-    assert modes.count(False) == 16 * len(trials)  # the trials' plain steps, no others
+    # the trials' plain steps, no others
+    assert modes.count(False) == 16 * (full_cycles + (left > 2 * 16))
+
+
+def test_a_close_lookup_verdict_is_tried_again_sooner():
+    """Batch 4 sampled: lookups barely win the trial on a batch's first steps (84.0
+    against 82.7 tokens/s), then lose for the rest of it (73 against 84). A verdict that
+    close holds a quarter of the retry interval; a clear one the whole of it."""
+    from duo_vllm.gate import LookupGate
+
+    def run(rates_at):
+        gate, modes = LookupGate(trial_steps=16, retry_every=256), []
+        for step in range(240):
+            on = gate.drafting(4, sampled=True)
+            modes.append(on)
+            gate.observe(4, on, 4, 4 / rates_at(step)[0 if on else 1], sampled=True)
+        return modes
+
+    modes = run(lambda step: (84.0, 82.7) if step < 32 else (73.0, 84.0))
+    assert all(modes[32:97]) and not any(modes[130:])  # the next trial at 97: plain
+    clear = run(lambda step: (100.0, 82.7) if step < 32 else (73.0, 84.0))
+    assert all(clear[32:240])  # held for the retry interval
 
 
 def test_a_lookup_verdict_for_plain_decoding_at_batch_1_holds_for_its_request_only():
