@@ -308,7 +308,7 @@ class DraftGate(_GateRates):
         r_on, r_off = self._rate.get((b, True)), self._rate.get((b, False))
         retried = not self._mode.get(b, True)
         if self._lost.get((b, retried), 0) >= 2 and r_on and r_off and \
-                max(r_on, r_off) > 1.2 * min(r_on, r_off):
+                not close(r_on, r_off, 0.2):
             return 4 * self.retry_every
         return self.retry_every
 
@@ -452,8 +452,7 @@ class LookupGate(_GateRates):
         self.weight, self.min_samples = weight, min_samples
         self._mode: dict = {}  # bucket -> lookups on?
         self._clock: dict = {}  # bucket -> steps seen
-        self._judged_at: dict = {}  # bucket -> its step of the last verdict
-        self._hold: dict = {}  # bucket -> steps the last verdict holds (retry_every or less)
+        self._retry_at: dict = {}  # bucket -> its step past which the last verdict ends
         self._trial: dict = {}  # bucket -> its trial under way (:class:`_Trial`)
         self._sums: dict = {}  # (bucket, on) -> [tokens, seconds], decayed (stats)
         self._rate: dict = {}  # (bucket, on) -> tokens/s: the ratio of those sums
@@ -470,7 +469,7 @@ class LookupGate(_GateRates):
         if b not in self._mode:
             self._mode[b] = True
             self._start_trial(b)
-        elif b not in self._trial and clock - self._judged_at[b] > self._hold[b]:
+        elif b not in self._trial and clock > self._retry_at[b]:
             self._start_trial(b)
         on = self._mode[b]
         trial = self._trial.get(b)
@@ -493,9 +492,9 @@ class LookupGate(_GateRates):
         trial = self._trial.pop(b)
         rates = trial.rate(True), trial.rate(False)
         on = self._mode[b] = drafting_wins(*rates, self.margin, tie_on=self._mode[b])
-        self._judged_at[b] = self._clock[b]
-        self._hold[b] = self.retry_every // 4 if close(*rates, 2 * self.margin) \
-            else self.retry_every
+        # a verdict this close is weak evidence: it holds a quarter as long
+        self._retry_at[b] = self._clock[b] + (
+            self.retry_every // 4 if close(*rates, 2 * self.margin) else self.retry_every)
         self._note(b, on, "interleaved", *rates)
         if on:
             self._scope.pop(b, None)
