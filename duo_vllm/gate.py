@@ -128,9 +128,9 @@ class DraftGate(_GateRates):
     verdict for plain decoding on the rates where no request ran both modes long
     enough to pair (its trial ran across a request boundary, say): it holds for
     the request it ended on, the rates having been measured partly on others.
-    Where the recent rates favour plain decoding, measured on the requests
-    before, which may have been easier, plain decoding's trial follows on the
-    same request, and the verdict is paired on it. Where plain decoding wins on
+    Unless the recent rates, measured on the requests before (easier ones,
+    or harder), favour drafting by more than ``pair_within``, plain decoding's
+    trial follows on the same request, and the verdict is paired on it. Where plain decoding wins on
     several requests in a row, the requests after its n-th win in a row are left
     to it, 2ⁿ⁻¹ - 1 of them, before drafting's next trial: a server where the
     draft never pays spends trials on a vanishing share of its requests, and
@@ -144,7 +144,8 @@ class DraftGate(_GateRates):
 
     def __init__(self, trial_steps: int = 32, warmup_steps: int = 8, retry_every: int = 256,
                  margin: float = 0.02, weight: float = 0.05, reach: int | None = 2,
-                 paired_steps: int = 8, abandon_after: int = 4, judge_after: float = 0.25):
+                 paired_steps: int = 8, abandon_after: int = 4, judge_after: float = 0.25,
+                 pair_within: float = 0.5):
         self.reach = reach  # buckets up that a win carries to a new bucket (None: any)
         self.abandon_after = abandon_after  # trial lengths of steps, of any batch size
         self.judge_after = judge_after  # the share of a trial a left trial is judged on
@@ -164,6 +165,8 @@ class DraftGate(_GateRates):
         # bucket -> the mode under trial on a new request after a scoped verdict
         self._pairing: dict = {}
         self.paired_steps = paired_steps
+        self.pair_within = pair_within  # drafting's lead on other requests' rates that is
+        # taken as it is on a new request; a closer one is paired on that request
         self._paired: dict = {}  # bucket -> {(key, on): [tokens, seconds, steps]}
         self._scope: dict = {}  # bucket -> the request a verdict for plain decoding holds for
         self._wins: dict = {}  # bucket -> plain decoding's wins on requests in a row
@@ -206,7 +209,7 @@ class DraftGate(_GateRates):
                 on = not on  # try the other mode (again), measured afresh
                 self._start_trial(b, on)
             elif on and self._pairing.get(b) is True and self._best_pair(b) is None \
-                    and not self.faster_on(b):
+                    and not self._far_faster_on(b):
                 on = self._pair(b)  # the same request in plain decoding, then a verdict
             elif b in self._trying:  # the end of a trial: judge; between trials, keep the mode
                 on = self._verdict(b, key)
@@ -358,6 +361,16 @@ class DraftGate(_GateRates):
                 for i, (k, on) in enumerate(paired) if on and (k, False) in paired]
         best = max(both, default=None)
         return None if best is None or best[0] < self.paired_steps else best[2]
+
+    def _far_faster_on(self, b) -> bool:
+        """Did drafting's trial on a new request beat plain decoding's rates, measured on
+        the requests before it, by more than ``pair_within``? Closer, a rate from other
+        requests says little (lookups alone ran 20-48 tokens/s over four summaries at
+        batch 1): plain decoding's own trial on this request decides. Judged on the
+        rates, summaries drafted at 27 tokens/s against lookups' 22 on the request
+        before kept drafting, where lookups alone ran them at 33."""
+        r_on, r_off = self._rate.get((b, True)), self._rate.get((b, False))
+        return r_on is not None and r_off is not None and r_on > (1 + self.pair_within) * r_off
 
     def faster_on(self, b) -> bool:
         """Do the recent rates favour drafting (a tie keeps the current mode)?"""

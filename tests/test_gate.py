@@ -325,14 +325,36 @@ def test_a_lookup_verdict_for_plain_decoding_at_batch_1_holds_for_its_request_on
 
 def test_a_tie_on_drafting_trial_on_the_next_request_keeps_drafting():
     """Batch 1: plain decoding wins on request 0 (scoped to it); request 1 drafts
-    about as fast as plain decoding ran (a tie: no pairing trial); request 2 drafts at
-    twice the speed. The tie keeps drafting on, on request 1 and after it (it once
-    turned drafting off, unscoped, for a retry interval of steps)."""
+    about as fast as plain decoding ran (a tie on the rates: paired on request 1,
+    where the two tie again); request 2 drafts at twice the speed. The ties keep
+    drafting on, on request 1 and after it (a tie once turned drafting off,
+    unscoped, for a retry interval of steps)."""
     gate = DraftGate()
-    modes = run_requests(gate, [100, 100, 100], [(20.0, 30.0), (29.8, 30.0), (60.0, 30.0)])
+    modes = run_requests(gate, [120, 100, 100], [(20.0, 30.0), (29.8, 30.0), (60.0, 30.0)])
     assert not any(modes[0][-20:])  # plain decoding won on request 0
-    assert all(modes[1]) and all(modes[2])
-    assert ("1", "on", "rates") in [tuple(e[1:4]) for e in gate.log]
+    # request 1: drafting's warm-up and trial, plain decoding's trial, drafting again
+    assert modes[1] == [True] * 40 + [False] * 33 + [True] * 27
+    assert all(modes[2])
+    assert [tuple(e[1:4]) for e in gate.log][-3:] == [
+        ("1", "on", "next request"), ("1", "off", "pairing"), ("1", "on", "paired")]
+
+
+def test_drafting_a_little_faster_than_plain_decoding_on_other_requests_is_paired():
+    """Batch 1, summaries in a row: lookups alone beat drafting on each, but the next
+    one drafts faster than lookups ran on the one before (on the rates: 36 against
+    30). Within ``pair_within`` of it, plain decoding's trial on the same request
+    decides (45: plain decoding for the rest of it); far faster (70 against 30),
+    drafting holds without one. Measured: summaries drafted at 27 tokens/s against
+    22 kept drafting on the rates, where lookups alone ran them at 33."""
+    gate = DraftGate()
+    modes = run_requests(gate, [120, 140], [(20.0, 30.0), (36.0, 45.0)])
+    assert modes[1][:40] == [True] * 40 and not any(modes[1][40:])
+    assert [tuple(e[1:4]) for e in gate.log][-2:] == [("1", "off", "pairing"),
+                                                     ("1", "off", "paired")]
+    gate = DraftGate()
+    modes = run_requests(gate, [120, 140], [(20.0, 30.0), (70.0, 45.0)])
+    assert all(modes[1])
+    assert [tuple(e[1:4]) for e in gate.log][-1] == ("1", "on", "rates")
 
 
 def run_requests(gate, lengths, rates, keyed=True, told=True):
