@@ -1,6 +1,7 @@
 """Batch-1 greedy ceiling of DuoProposer on a cost table, replayed on stored outputs.
 
     python -m benchmarks.ceiling [--results DIR ...] [--t1 0.136 --tl 0.099 --c 0.008 --d 0.040]
+        [--window 256] [--busy-prefill] [--best-of-lookups]
 
 Reads plain vLLM's greedy outputs (``token_ids``, ``prompt_ids``) from
 ``benchmarks/results/*/engines/plain-*.out.json``, runs the draft GGUF once
@@ -20,8 +21,13 @@ Three ways the model's chain is ready: ``oracle`` (every step), ``designed``
 (the pre-draft's rule: the step before accepted its whole draft and the
 draft's top-1 guessed the target's next token; otherwise a lent step), and
 ``spot`` (the same, a miss drafting 1-4 tokens on the spot while vLLM waits).
-The draft prefills each prompt (``--prefill-draft`` s a token) beside the
-target's own prefill (``--prefill-target``); until it is done, lent steps.
+The draft prefills each prompt (``--prefill-draft`` s a token; with
+``--window W`` only the part a W-token window holds, and its guesses see only
+that part) beside the target's own prefill (``--prefill-target``); until it is
+done, lookup steps, lent (or, with ``--busy-prefill``, on the target's own
+cores, since the draft's core is prefilling). ``lookups``: no draft model at
+all, every step lent; ``--best-of-lookups`` gives each request the faster of a
+rule and that, as a perfect per-request gate would.
 Prints each task's median of plain-on-every-core time over this time.
 """
 
@@ -54,31 +60,50 @@ def stored_outputs(dirs) -> list[tuple[str, list[int], list[int]]]:
     return [(task or "other", p, o) for task, p, o in seen.values()]
 
 
-def draft_guesses(model_path: str, rows) -> list[list[int]]:
-    """The draft's greedy token for each output position, given the true context."""
+def window_prompt(p: list[int], window: int) -> list[int]:
+    """The part of a prompt a draft window of ``window`` tokens holds (0: all of it): its
+    first quarter and its last tokens, as the drafter's slots do; the output follows."""
+    if not window or len(p) <= window:
+        return p
+    head = window // 4
+    return p[:head] + p[len(p) - (window - head):]
+
+
+def draft_guesses(model_path: str, rows, window: int = 0) -> list[list[int]]:
+    """The draft's greedy token for each output position, given the true output and the
+    prompt as a ``window`` holds it (0: the whole prompt)."""
     from llama_cpp import Llama
 
     llm = Llama(model_path, n_ctx=4096, logits_all=True, n_threads=os.cpu_count(),
                 n_batch=512, verbose=False)
     out = []
     for _, p, o in rows:
+        q = window_prompt(p, window)
         llm.reset()
-        llm.eval(p + o)
-        scores = np.asarray(llm.scores[len(p) - 1:len(p) + len(o) - 1])
+        llm.eval(q + o)
+        scores = np.asarray(llm.scores[len(q) - 1:len(q) + len(o) - 1])
         out.append(scores.argmax(-1).tolist())
     return out
 
 
 def replay(p, o, guess, t1, tl, c, d, prefill_target, prefill_draft, ready_rule, k=8,
-           overhead_calls=0):
+           overhead_calls=0, window=0, busy_prefill=False):
     """(plain on every core, this) seconds for one request. ``overhead_calls``: draft
-    calls of each pre-draft that add no token to the next step's chain."""
+    calls of each pre-draft that add no token to the next step's chain. ``window``: the
+    draft prefills that much of the prompt (0: all of it). ``busy_prefill``: while the
+    draft prefills, its core is not the target's, so the lookup steps before it is ready
+    run on the target's own cores (``t1``) rather than lent (``tl``). ``ready_rule``
+    ``"lookups"``: no draft model at all (lent lookup steps, lent prefill)."""
     ctx = np.asarray(p + o, dtype=np.int64)
     # each step advances n + 1 tokens when all are accepted: the draft makes n + 1 (its
     # guess of the target's own next token included) while the target verifies n
     n_model = max(1, min(k, int((t1 - d) // max(d - c, 1e-9)) - overhead_calls))
     plain = len(p) * prefill_target * tl / t1 + (len(o) - 1) * tl
-    t, ready, i, hit = len(p) * prefill_target, len(p) * prefill_draft, 1, False
+    if ready_rule == "lookups":
+        t, ready = len(p) * prefill_target * tl / t1, float("inf")
+    else:
+        t, ready = len(p) * prefill_target, len(window_prompt(p, window)) * prefill_draft
+    i, hit = 1, False
 
     def chain(m):  # the model's draft of m tokens: accepted as far as it guesses right
         r = 0
@@ -90,7 +115,8 @@ def replay(p, o, guess, t1, tl, c, d, prefill_target, prefill_draft, ready_rule,
         lk = find_continuation(ctx[:len(p) + i], k, 2, 8).tolist()
         lk = lk[:paying_length(1.0, 0.74, len(lk), c / tl)]
         a_l = common_prefix(lk, o[i:])
-        options = [((a_l + 1) / (tl + c * len(lk)), tl + c * len(lk), a_l, len(lk))]
+        lent = t1 if busy_prefill and t < ready < float("inf") else tl
+        options = [((a_l + 1) / (lent + c * len(lk)), lent + c * len(lk), a_l, len(lk))]
         if t >= ready:
             if ready_rule == "oracle" or hit:
                 tries = [(n_model, 0.0)]
@@ -128,29 +154,45 @@ def main(argv=None) -> None:
                          "the pre-draft's deadline cuts the last call a step)")
     ap.add_argument("--prefill-target", type=float, default=0.0014)
     ap.add_argument("--prefill-draft", type=float, default=0.006)
+    ap.add_argument("--window", type=int, default=0,
+                    help="the draft's window of the prompt, tokens (0: the whole prompt)")
+    ap.add_argument("--busy-prefill", action="store_true",
+                    help="lookup steps before the draft's prefill ends run on the target's own "
+                         "cores, not lent (the draft's core is prefilling)")
+    ap.add_argument("--best-of-lookups", action="store_true",
+                    help="per request, the faster of the rule and lookups alone (no draft "
+                         "model: lent steps and a lent prefill), as a per-request gate could")
     args = ap.parse_args(argv)
     from duo_vllm.models import default_draft_gguf, prepare_draft
 
     rows = stored_outputs(args.results)
-    guesses = draft_guesses(args.draft or prepare_draft(default_draft_gguf()), rows)
+    guesses = draft_guesses(args.draft or prepare_draft(default_draft_gguf()), rows,
+                            args.window)
     agree = np.mean([np.mean(np.asarray(g) == np.asarray(o)) for (_, _, o), g in zip(rows, guesses)])
     print(f"{len(rows)} prompts; the draft's greedy guess agrees with the target's at "
-          f"{agree:.3f} of positions (whole context)")
+          f"{agree:.3f} of positions ({f'window {args.window}' if args.window else 'whole context'})")
     print(f"cost table: t1 {args.t1 * 1e3:.0f} ms, every core {args.tl * 1e3:.0f} ms, verify "
-          f"{args.c * 1e3:.1f} ms/token, draft {args.d * 1e3:.0f} ms/token")
-    for rule, over in (("oracle", 0), ("designed", 0), ("spot", 0),
+          f"{args.c * 1e3:.1f} ms/token, draft {args.d * 1e3:.1f} ms/token, prefill target "
+          f"{args.prefill_target * 1e3:.1f} / draft {args.prefill_draft * 1e3:.1f} ms/token"
+          + (", lookups beside the draft's prefill on the target's cores" if args.busy_prefill
+             else "") + (", each request the better of it and lookups alone"
+                         if args.best_of_lookups else ""))
+    for rule, over in (("lookups", 0), ("oracle", 0), ("designed", 0), ("spot", 0),
                        ("designed", args.overhead_calls), ("spot", args.overhead_calls)):
         per_task: dict = {}
         for (task, p, o), g in zip(rows, guesses):
-            plain, t = replay(p, o, g, args.t1, args.tl, args.c, args.d,
-                              args.prefill_target, args.prefill_draft, rule,
-                              overhead_calls=over)
+            def run(r):
+                return replay(p, o, g, args.t1, args.tl, args.c, args.d, args.prefill_target,
+                              args.prefill_draft, r, overhead_calls=over, window=args.window,
+                              busy_prefill=args.busy_prefill)
+            plain, t = run(rule)
+            if args.best_of_lookups and rule != "lookups":
+                t = min(t, run("lookups")[1])
             per_task.setdefault(task, []).append(plain / t)
         every = [x for v in per_task.values() for x in v]
         label = rule + (f", {over} call(s) fewer" if over else "")
         print(f"{label:28s} all {np.median(every):.2f}x plain on every core; " + ", ".join(
             f"{task} {np.median(v):.2f}x" for task, v in sorted(per_task.items())))
-
 
 if __name__ == "__main__":
     main()

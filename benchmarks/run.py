@@ -103,6 +103,9 @@ METHODS = {
     # the prompt cache's ablation: the draft prefills every prompt whose slot went to another
     "duo-lend-nocache": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
                                             "budget": "auto", "prompt_cache_mb": 0}),
+    # the draft as its packaged Q4_1 file (draft_quant "keep"), not the Q8_0 copy
+    "duo-lend-q41": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
+                                          "budget": "auto", "draft_quant": "keep"}),
     "duo-lend-nolookup": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
                                              "budget": "auto", "lookup": False}),
     # lookups alone: no draft model, no actor, the target on every core
