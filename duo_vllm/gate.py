@@ -254,7 +254,7 @@ class DraftGate(_GateRates):
         too (see the class docstring)."""
         self._pairing[b] = False
         self._start_trial(b, False)
-        self._note(b, False, "pairing")
+        self._note(b, False, "pairing", self._rate.get((b, True)), self._rate.get((b, False)))
         return False
 
     def _abandon(self, b) -> None:

@@ -351,6 +351,8 @@ def test_drafting_a_little_faster_than_plain_decoding_on_other_requests_is_paire
     assert modes[1][:40] == [True] * 40 and not any(modes[1][40:])
     assert [tuple(e[1:4]) for e in gate.log][-2:] == [("1", "off", "pairing"),
                                                      ("1", "off", "paired")]
+    on, off = gate.log[-2][4:]  # the rates it paired on: drafting ahead, but within 1.5x
+    assert on == pytest.approx(36.0) and off < on < 1.5 * off
     gate = DraftGate()
     modes = run_requests(gate, [120, 140], [(20.0, 30.0), (70.0, 45.0)])
     assert all(modes[1])
