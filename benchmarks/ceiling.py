@@ -168,9 +168,11 @@ def main(argv=None) -> None:
     rows = stored_outputs(args.results)
     guesses = draft_guesses(args.draft or prepare_draft(default_draft_gguf()), rows,
                             args.window)
-    agree = np.mean([np.mean(np.asarray(g) == np.asarray(o)) for (_, _, o), g in zip(rows, guesses)])
+    agree = np.mean([np.mean(np.asarray(g) == np.asarray(o))
+                     for (_, _, o), g in zip(rows, guesses)])
+    seen = f"window {args.window}" if args.window else "whole context"
     print(f"{len(rows)} prompts; the draft's greedy guess agrees with the target's at "
-          f"{agree:.3f} of positions ({f'window {args.window}' if args.window else 'whole context'})")
+          f"{agree:.3f} of positions ({seen})")
     print(f"cost table: t1 {args.t1 * 1e3:.0f} ms, every core {args.tl * 1e3:.0f} ms, verify "
           f"{args.c * 1e3:.1f} ms/token, draft {args.d * 1e3:.1f} ms/token, prefill target "
           f"{args.prefill_target * 1e3:.1f} / draft {args.prefill_draft * 1e3:.1f} ms/token"

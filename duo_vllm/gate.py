@@ -130,8 +130,8 @@ class DraftGate(_GateRates):
     the request it ended on, the rates having been measured partly on others.
     Unless the recent rates, measured on the requests before (easier ones,
     or harder), favour drafting by more than ``pair_within``, plain decoding's
-    trial follows on the same request, and the verdict is paired on it. Where plain decoding wins on
-    several requests in a row, the requests after its n-th win in a row are left
+    trial follows on the same request, and the verdict is paired on it.
+    Where plain decoding wins on several requests in a row, the requests after its n-th win in a row are left
     to it, 2ⁿ⁻¹ - 1 of them, before drafting's next trial: a server where the
     draft never pays spends trials on a vanishing share of its requests, and
     one whose requests come in kinds (two that quote their prompt, then ones
