@@ -115,8 +115,8 @@ def replay(p, o, guess, t1, tl, c, d, prefill_target, prefill_draft, ready_rule,
         lk = find_continuation(ctx[:len(p) + i], k, 2, 8).tolist()
         lk = lk[:paying_length(1.0, 0.74, len(lk), c / tl)]
         a_l = common_prefix(lk, o[i:])
-        lent = t1 if busy_prefill and t < ready < float("inf") else tl
-        options = [((a_l + 1) / (lent + c * len(lk)), lent + c * len(lk), a_l, len(lk))]
+        own = t1 if busy_prefill and t < ready < float("inf") else tl  # a lookup step's T
+        options = [((a_l + 1) / (own + c * len(lk)), own + c * len(lk), a_l, len(lk))]
         if t >= ready:
             if ready_rule == "oracle" or hit:
                 tries = [(n_model, 0.0)]
@@ -195,6 +195,7 @@ def main(argv=None) -> None:
         label = rule + (f", {over} call(s) fewer" if over else "")
         print(f"{label:28s} all {np.median(every):.2f}x plain on every core; " + ", ".join(
             f"{task} {np.median(v):.2f}x" for task, v in sorted(per_task.items())))
+
 
 if __name__ == "__main__":
     main()

@@ -130,13 +130,13 @@ class DraftGate(_GateRates):
     the request it ended on, the rates having been measured partly on others.
     Unless the recent rates, measured on the requests before (easier ones,
     or harder), favour drafting by more than ``pair_within``, plain decoding's
-    trial follows on the same request, and the verdict is paired on it.
-    Where plain decoding wins on several requests in a row, the requests after its n-th win in a row are left
-    to it, 2ⁿ⁻¹ - 1 of them, before drafting's next trial: a server where the
-    draft never pays spends trials on a vanishing share of its requests, and
-    one whose requests come in kinds (two that quote their prompt, then ones
-    only the draft makes fast) gets drafting back after a request or two, not
-    after a retry interval (223 steps once).
+    trial follows on the same request, and the verdict is paired on it. Where
+    plain decoding wins on several requests in a row, the requests after its
+    n-th win in a row are left to it, 2ⁿ⁻¹ - 1 of them, before drafting's next
+    trial: a server where the draft never pays spends trials on a vanishing
+    share of its requests, and one whose requests come in kinds (two that
+    quote their prompt, then ones only the draft makes fast) gets drafting
+    back after a request or two, not after a retry interval (223 steps once).
 
     A trial has to beat the mode before it by ``margin``, on a pair as on the
     rates: a tie keeps that mode.
@@ -369,8 +369,8 @@ class DraftGate(_GateRates):
         batch 1): plain decoding's own trial on this request decides. Judged on the
         rates, summaries drafted at 27 tokens/s against lookups' 22 on the request
         before kept drafting, where lookups alone ran them at 33."""
-        r_on, r_off = self._rate.get((b, True)), self._rate.get((b, False))
-        return r_on is not None and r_off is not None and r_on > (1 + self.pair_within) * r_off
+        return drafting_wins(self._rate.get((b, True)), self._rate.get((b, False)),
+                             self.pair_within, tie_on=False)
 
     def faster_on(self, b) -> bool:
         """Do the recent rates favour drafting (a tie keeps the current mode)?"""
