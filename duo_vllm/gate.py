@@ -140,12 +140,21 @@ class DraftGate(_GateRates):
 
     A trial has to beat the mode before it by ``margin``, on a pair as on the
     rates: a tie keeps that mode.
+
+    Where drafting ran at batch 1 greedy, the proposer also tells the gate what
+    lookups alone would have done on the same tokens (:meth:`observe_shadow`,
+    :mod:`duo_vllm.shadow`: the output is the same in every mode). Once drafting
+    measured ``shadow_steps`` steps of a request, that is plain decoding's side
+    of the verdict on it, in place of plain decoding's trial (due, or the pairing
+    of a near lead) and of the rates of other requests: judged once a request,
+    and again where plain decoding's trial falls due. A verdict against drafting
+    is scoped to the request like a paired one.
     """
 
     def __init__(self, trial_steps: int = 32, warmup_steps: int = 8, retry_every: int = 256,
                  margin: float = 0.02, weight: float = 0.05, reach: int | None = 2,
                  paired_steps: int = 8, abandon_after: int = 4, judge_after: float = 0.25,
-                 pair_within: float = 0.5):
+                 pair_within: float = 0.5, shadow_steps: int = 16):
         self.reach = reach  # buckets up that a win carries to a new bucket (None: any)
         self.abandon_after = abandon_after  # trial lengths of steps, of any batch size
         self.judge_after = judge_after  # the share of a trial a left trial is judged on
@@ -171,6 +180,9 @@ class DraftGate(_GateRates):
         self._scope: dict = {}  # bucket -> the request a verdict for plain decoding holds for
         self._wins: dict = {}  # bucket -> plain decoding's wins on requests in a row
         self._skip: dict = {}  # bucket -> requests still left to plain decoding after those
+        self.shadow_steps = shadow_steps  # drafting's steps on a request a shadow verdict needs
+        self._shadow: dict = {}  # bucket -> {key: [tokens, seconds, steps]} of lookups alone
+        self._judged: dict = {}  # bucket -> the request its last shadow verdict was on
         self.plain_steps = 0  # steps the gate left to plain decoding
         self.log: deque = deque(maxlen=32)  # the last trials and verdicts, for stats
 
@@ -198,14 +210,17 @@ class DraftGate(_GateRates):
         run = self._run[b] = self._run.get(b, 0) + 1
         if run > self.trial_steps + (self.warmup_steps if on else 0):
             other = (b, not on)
-            if other in self._rate:
+            if other in self._seen_at:  # measured (or judged on the shadow) at some step
                 due = self._clock[b] - self._seen_at[other] > self._retry(b)
             else:  # never measured here: now, unless drafting is unlikely to pay here
                 due = not (other[1] and not self.first_mode(b)) or self._clock[b] > self._retry(b)
             if due and b in self._abandoned_at and \
                     self._clock[b] - self._abandoned_at[b] <= self._retry(b):
                 due = False  # a trial was abandoned here lately
-            if due:
+            if on and self._shadow_ready(b, key) and (due or self._judged.get(b) != key):
+                due = False  # plain decoding is judged on this request without a trial
+                on = self._shadow_verdict(b, key)
+            elif due:
                 on = not on  # try the other mode (again), measured afresh
                 self._start_trial(b, on)
             elif on and self._pairing.get(b) is True and self._best_pair(b) is None \
@@ -233,6 +248,8 @@ class DraftGate(_GateRates):
         paired = self._paired.get(b, {})
         for k in [k for k in paired if k[1] == on]:
             del paired[k]
+        if on:  # the shadow covers drafting's measured steps: afresh with them
+            self._shadow.pop(b, None)
 
     def _try_again(self, b) -> None:
         """A new request after a verdict for plain decoding scoped to the one before:
@@ -263,6 +280,7 @@ class DraftGate(_GateRates):
         tried = self._trying[b]
         measured = self._run.get(b, 0) - (self.warmup_steps if tried else 0)
         self._paired.pop(b, None)  # the trial's requests are gone: its rates, if anything
+        self._shadow.pop(b, None)
         if (b, tried) in self._rate and measured >= self.judge_after * self.trial_steps:
             on = self._verdict(b)  # (it reads the mode on trial: popped after)
         else:
@@ -324,6 +342,7 @@ class DraftGate(_GateRates):
         fresh = self._pairing.pop(b, None) is True
         key = self._best_pair(b)
         paired = self._paired.pop(b, {})
+        self._shadow.pop(b, None)  # it shadows drafting's per-request sums: dropped with them
         if key is None:
             how = "rates"
             rates = self._rate.get((b, True)), self._rate.get((b, False))
@@ -362,6 +381,52 @@ class DraftGate(_GateRates):
         best = max(both, default=None)
         return None if best is None or best[0] < self.paired_steps else best[2]
 
+    def _shadow_ready(self, b, key) -> bool:
+        """Did drafting, and lookups alone in its shadow, measure ``shadow_steps`` steps
+        of request ``key`` in bucket ``b``?"""
+        shadow = self._shadow.get(b, {}).get(key)
+        on = self._paired.get(b, {}).get((key, True))
+        return key is not None and shadow is not None and on is not None and \
+            min(shadow[2], on[2]) >= self.shadow_steps and shadow[1] > 0 and on[1] > 0
+
+    def _shadow_verdict(self, b, key) -> bool:
+        """Drafting's rate on request ``key`` against lookups alone on the same tokens
+        (:meth:`observe_shadow`): the faster, a tie to drafting (the mode under way).
+        Plain decoding counts as measured now (its retry waits a retry interval); a
+        verdict against drafting is scoped to this request, as a paired one."""
+        on_sums, shadow = self._paired[b][(key, True)], self._shadow[b][key]
+        rates = on_sums[0] / on_sums[1], shadow[0] / shadow[1]
+        on = drafting_wins(*rates, self.margin, tie_on=True)
+        self._judged[b] = key
+        self._seen_at[(b, False)] = self._clock[b]
+        self._pairing.pop(b, None)
+        if self._trying.pop(b, None) is True:  # drafting's retry: did it lose (again)?
+            lost = (b, True)
+            self._lost[lost] = 0 if on else self._lost.get(lost, 0) + 1
+        if on:
+            self._scope.pop(b, None)
+            self._wins.pop(b, None)
+            self._skip.pop(b, None)
+        else:  # as a paired verdict for plain decoding: this request, and its wins' share
+            wins = self._wins[b] = self._wins.get(b, 0) + 1
+            self._scope[b] = key
+            self._skip[b] = 2 ** (wins - 1) - 1
+        self._note(b, on, "shadow", *rates)
+        return on
+
+    def observe_shadow(self, batch: int, key, tokens: int, seconds: float,
+                       sampled: bool = False) -> None:
+        """Lookups alone would have produced ``tokens`` in ``seconds`` on the tokens a
+        drafting step of request ``key`` produced (only steps :meth:`observe` counted).
+        A step counts as one of drafting's, whatever the walk did in it (none of its steps
+        ends inside a drafting step that a long copy spans)."""
+        if key is None:
+            return
+        shadows = self._shadow.setdefault(self.bucket(batch, sampled), {})
+        for other in [k for k in shadows if k != key]:  # only the request under way
+            del shadows[other]
+        _add_step(shadows.setdefault(key, [0.0, 0.0, 0]), tokens, seconds)
+
     def _far_faster_on(self, b) -> bool:
         """Did drafting's trial on a new request beat plain decoding's rates, measured on
         the requests before it, by more than ``pair_within``? Closer, a rate from other
@@ -378,14 +443,15 @@ class DraftGate(_GateRates):
                              self.margin, tie_on=self._mode[b])
 
     def observe(self, batch: int, on: bool, tokens: int, seconds: float,
-                sampled: bool = False, key=None) -> None:
+                sampled: bool = False, key=None) -> bool:
         """A step of ``batch`` requests in mode ``on`` produced ``tokens`` in ``seconds``
-        (``key``: the request it served, where the proposer pairs by request)."""
+        (``key``: the request it served, where the proposer pairs by request). Whether it
+        was counted (not a drafting warm-up step)."""
         if seconds <= 0:
-            return
+            return False
         b = self.bucket(batch, sampled)
         if on and self._mode.get(b) and self._run.get(b, 0) <= self.warmup_steps:
-            return  # the draft is catching up: not yet what drafting gives
+            return False  # the draft is catching up: not yet what drafting gives
         tokens = self._per_request(b, batch, tokens)
         if key is not None:
             paired = self._paired.setdefault(b, {})
@@ -394,6 +460,7 @@ class DraftGate(_GateRates):
             _add_step(paired.setdefault((key, on), [0.0, 0.0, 0]), tokens, seconds)
         self._record(b, on, tokens, seconds)
         self._seen_at[(b, on)] = self._clock.get(b, 0)
+        return True
 
 
 @dataclass

@@ -26,14 +26,16 @@ from .gate import DraftGate, LookupGate
 from .lending import (WARM_ROWS, MatmulPrimitives, TargetThreads, bind_order, lend_plan,
                       lend_prefill, remake_pays)
 from .goodput import StepTimeModel
-from .lookup import LOOKUP, MODEL, ContextLookup, Hint, serve
+from .lookup import LOOKUP, MODEL, ContextLookup, Hint, paying_length, serve
 from .models import ModelNotFoundError, default_draft_gguf
 from .pinning import EngineCorePlace, engine_core, move_engine_core, off_target
 from .raynode import check_placement as _check_placement
 from .raynode import ensure_ray as _ensure_ray
 from .raynode import private_ray as _private_ray
 from .sampling import dense_q
+from .shadow import ShadowLookups, walk_rate
 from .state import pool_window
+from .stats import Ema
 from .vllm_patches import (
     check_vllm, fix_cpu_expand_kernel, install_draft_free_sampling, install_draft_probs_hook,
     install_logprob_free_verify,
@@ -103,6 +105,7 @@ class DuoProposer:
             cfg = self.config = dataclasses.replace(cfg, sampled_drafts=False)
         if cfg.lookup:
             self.lookup = ContextLookup(cfg.lookup_min, cfg.lookup_max)
+            self.shadow = ShadowLookups(self.k_lookup, cfg.lookup_min, cfg.lookup_max)
         self.model_path = None
         if cfg.lookup_only:
             self._on = False  # no draft model: every step is the lookup gate's
@@ -183,6 +186,10 @@ class DuoProposer:
         self._errors = 0  # propose() calls that raised: the step went without drafts
         self._calls, self._wait_s = 0, 0.0  # time vLLM's loop spent waiting for drafts
         self._steps, self._step_s = 0, 0.0  # every propose() call, and the time it took
+        self._off_propose = Ema()  # propose()'s time a step with the draft model off
+        # batch 1 greedy, the draft model off, lookups on: the shadow's tokens and seconds
+        # over those steps, and the measured ones (duo_vllm/shadow.py)
+        self.shadow_check = [0.0, 0.0, 0.0, 0.0]
         self._stats_ref, self._stats_logged_at = None, time.monotonic()
         self._prefetch = False
         self._passive = False  # a rank whose drafts vLLM does not use
@@ -199,6 +206,7 @@ class DuoProposer:
         self._started_at: float | None = None  # when the last propose() was called
         self._counts: dict = {}  # request id -> its tokens at the last propose()
         self.lookup: ContextLookup | None = None  # drafts copied from the context
+        self.shadow: ShadowLookups | None = None  # lookups alone, beside drafting (batch 1)
         self._sender = DeltaSender()  # each step's contexts as deltas (duo_vllm/delta.py)
         self._sender_actor = 0  # the actor the sender's deltas are against (its restart)
         # vLLM-CPU, the draft's cores at the end of the target's binding: the target
@@ -274,7 +282,10 @@ class DuoProposer:
             return [[] for _ in sampled_token_ids]
         finally:  # all of it runs in vLLM's loop, between the target's steps
             self._steps += 1
-            self._step_s += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            self._step_s += took
+            if not self._on:  # the proposer's own time a step of lookups (the shadow's)
+                self._off_propose.add(took)
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
@@ -297,7 +308,7 @@ class DuoProposer:
             contexts.append(token_ids[i, :n].copy())
             budgets.append(min(self.k, room))
             lookup_caps.append(min(self.k_lookup, room))
-        self._observe_step(rows, num_tokens_no_spec, skip=partial)
+        self._observe_step(rows, contexts, num_tokens_no_spec, skip=partial)
         # the step's batch size (T(B), the gate's bucket): seeded rows' tokens count too
         self._batch = batch = len(rows)
         seeded = self._seeded(rows)
@@ -666,7 +677,7 @@ class DuoProposer:
             self._sender.forget(getattr(result, "resend", ()))
         return result
 
-    def _observe_step(self, rows, num_tokens_no_spec, skip: bool = False) -> None:
+    def _observe_step(self, rows, contexts, num_tokens_no_spec, skip: bool = False) -> None:
         """The step that just ran: a sample of T(B, e), and of the goodput of its mode.
 
         Its time is from the last propose()'s return (the target's step, for
@@ -676,8 +687,11 @@ class DuoProposer:
         """
         now = time.perf_counter()
         new, self._new_requests = self._new_requests, False
-        served = tuple(self._counts)  # the requests of the step that ran
+        before = self._counts  # the requests of the step that ran, and their tokens then
+        served = tuple(before)
         produced = self._produced(rows, num_tokens_no_spec)
+        if self.shadow is not None:
+            self.shadow.keep(self._counts)  # the requests still running
         started, self._started_at = self._started_at, now
         if self._returned_at is None or skip or new:
             return
@@ -697,10 +711,45 @@ class DuoProposer:
         if produced is not None and started is not None:
             # at batch 1 the gates judge a trial against the other mode on the same request
             key = served[0] if batch == 1 and len(served) == 1 else None
-            self.gate.observe(batch, self._on, produced, now - started, self._sampled, key)
+            counted = self.gate.observe(batch, self._on, produced, now - started,
+                                        self._sampled, key)
+            if key is not None and not self._sampled:
+                self._shadow_step(key, rows, contexts, before[key], produced, now - started,
+                                  counted)
             if self._lookup_trial:
                 self.lookup_gate.observe(batch, self._lookups_on, produced, now - started,
                                          self._sampled, key)
+
+    def _shadow_step(self, key, rows, contexts, since: int, produced: int, seconds: float,
+                     counted: bool) -> None:
+        """Lookups alone over what the step that ran produced for request ``key`` (batch 1
+        greedy, from position ``since``; :mod:`duo_vllm.shadow`), at the measured cost of
+        a lent step: told to the gate where drafting ran the step and the gate counted
+        it; beside the measured rate where lookups ran it (``shadow_check``)."""
+        drafting, looking = self._on and counted, not self._on and self._lookups_on
+        cost = self.lent_step_time.cost(1)
+        if self.shadow is None or cost is None or not (drafting or looking):
+            return
+        ids = getattr(self._runner.input_batch, "req_ids", None) or []
+        ctx = next((c for i, c in zip(rows, contexts) if i < len(ids) and ids[i] == key), None)
+        if ctx is None:
+            return
+        threshold = cost.per_token / cost.t0  # as _hints, at batch 1
+
+        def cut(n: int, match: int) -> int:  # the lookup draft as _serve would serve it
+            return paying_length(1.0, self.lookup.alphas(key, 0.0, match, n), n, threshold)
+
+        steps = self.shadow.advance(key, ctx, since, cut)
+        tokens, shadow_s = walk_rate(steps, cost.t0, cost.per_token,
+                                     self._off_propose.get(0.0))
+        if drafting:
+            self.gate.observe_shadow(1, key, tokens, shadow_s)
+        else:  # how far the shadow is from what lookups measure
+            check = self.shadow_check
+            check[0] += tokens
+            check[1] += shadow_s
+            check[2] += produced
+            check[3] += seconds
 
     def _produced(self, rows, num_tokens_no_spec) -> int | None:
         """Tokens the requests of the last step gained in it (from vLLM's input batch)."""
@@ -746,6 +795,10 @@ class DuoProposer:
             "lent_step_ms_by_batch": {b: 1e3 * c.t0 for b, c in lent.items()},
             "lent_verify_ms_by_batch": {b: 1e3 * c.per_token for b, c in lent.items()},
             **(self.lookup.summary() if self.lookup is not None else {}),
+            # batch 1 greedy, lookups alone: the shadow's rate against the measured one
+            "shadow_check": {"steps_tokens": self.shadow_check[2],
+                             "shadow_tokens_per_s": _rate(*self.shadow_check[:2]),
+                             "measured_tokens_per_s": _rate(*self.shadow_check[2:])},
         }
 
     def stats(self) -> dict:
@@ -869,6 +922,10 @@ def onednn_acl() -> bool:
     from vllm import _custom_ops
 
     return bool(getattr(_custom_ops, "is_onednn_acl_supported", lambda: False)())
+
+
+def _rate(tokens: float, seconds: float) -> float | None:
+    return tokens / seconds if seconds > 0 else None
 
 
 def valid_prefix(draft, vocab_size: int) -> list[int]:

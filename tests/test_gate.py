@@ -569,3 +569,61 @@ def test_requests_in_kinds_get_drafting_back_after_a_request_not_a_retry_interva
     assert not any(modes[2])  # after two losses in a row: one request left to plain
     assert all(modes[3])  # drafting from the next (its trial won on the rates) ...
     assert all(sum(m) >= 67 for m in modes[4:])  # ... on (a retry of plain decoding aside)
+
+
+def run_shadowed(gate, lengths, rates):
+    """:func:`run_requests`, the proposer also telling the gate, for each drafting step
+    it counted, what lookups alone would have done on the same tokens: ``rates[i]`` =
+    (on, off, shadow) tokens/s."""
+    modes = []
+    for i, (n, (rate_on, rate_off, rate_shadow)) in enumerate(zip(lengths, rates)):
+        mine = []
+        for _ in range(n):
+            on = gate.drafting(1, key=i)
+            mine.append(on)
+            counted = gate.observe(1, on, tokens=1, seconds=1 / (rate_on if on else rate_off),
+                                   key=i)
+            if on and counted:
+                gate.observe_shadow(1, i, tokens=2, seconds=2 / rate_shadow)
+        modes.append(mine)
+    return modes
+
+
+def test_lookups_alone_on_the_same_tokens_judge_drafting_without_a_trial():
+    """Batch 1 greedy, the shadow told: where drafting beats lookups alone on each
+    request, plain decoding never runs (its trial, due at step 41 and every retry
+    interval, is judged on the shadow); a summary that lookups alone copy faster
+    turns drafting off once drafting measured ``shadow_steps`` of it, for the rest of
+    it only; the next request drafts again."""
+    gate = DraftGate()
+    modes = run_shadowed(gate, [100] * 4, [(40.0, 20.0, 25.0)] * 4)
+    assert all(all(m) for m in modes) and gate.plain_steps == 0
+    assert [tuple(e[1:4]) for e in gate.log][0] == ("1", "on", "shadow")
+    gate = DraftGate()
+    modes = run_shadowed(gate, [100] * 3, [(40.0, 20.0, 25.0), (26.0, 33.0, 33.0),
+                                           (40.0, 20.0, 25.0)])
+    assert modes[1] == [True] * 16 + [False] * 84  # judged at its 16th drafting step
+    on, off = gate.log[1][4:]
+    assert [tuple(e[1:4]) for e in gate.log][1] == ("1", "off", "shadow")
+    assert (on, off) == (pytest.approx(26.0), pytest.approx(33.0))
+    # the next request: drafting's trial (warm-up, then the shadow's verdict), kept
+    assert all(modes[2]) and [tuple(e[2:4]) for e in gate.log][-2:] == [
+        ("on", "next request"), ("on", "shadow")]
+
+
+def test_without_a_shadow_plain_decoding_is_tried_as_before():
+    """Steps without a shadow (batch > 1, sampled, or no lent step measured yet) keep
+    plain decoding's trials: the shadow of another request judges nothing."""
+    gate = DraftGate()
+    for _ in range(60):
+        on = gate.drafting(1, key=0)
+        if gate.observe(1, on, tokens=1, seconds=1 / 40.0, key=0) and on:
+            gate.observe_shadow(1, 0, tokens=1, seconds=1 / 25.0)
+    # the shadow judged at step 41: plain decoding's next trial falls due a retry
+    # interval later, inside request 1, which has no shadow: that trial runs
+    modes = []
+    for _ in range(300):
+        modes.append(gate.drafting(1, key=1))
+        gate.observe(1, modes[-1], tokens=1, seconds=1 / (40.0 if modes[-1] else 20.0), key=1)
+    assert not all(modes)
+    assert ("off", "trial") in [tuple(e[2:4]) for e in gate.log]

@@ -541,3 +541,72 @@ def test_seeded_sampled_requests_decode_without_drafts(clock):
     p.config = DuoConfig(use_actor=False, draft_seeded=True)  # drafted like the others
     drafts = p.propose(sampled, n, ids)
     assert len(w.calls[-1]["contexts"]) == 3 and all(drafts)
+
+
+def test_at_batch_1_greedy_the_gate_learns_what_lookups_alone_did_on_drafted_tokens(clock):
+    """Drafting steps of one greedy request: the gate is told, per counted step, what
+    lookups alone would have done on the tokens it produced (duo_vllm/shadow.py), timed
+    at the lent step's measured cost; with the draft model off, the shadow runs beside
+    the measured lookups instead (``shadow_check``)."""
+    from duo_vllm.lookup import ContextLookup
+    from duo_vllm.shadow import ShadowLookups
+
+    p = bare(FakeWorker(drafts=[[]]), k=2)
+    p.k_lookup = 4
+    p.lookup = ContextLookup(min_n=2, max_n=4)
+    p.shadow = ShadowLookups(4, 2, 4)
+    p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
+        temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])))
+    for e in range(0, 5):  # a lent step: 40 ms, verifying a token nearly free
+        p.lent_step_time.observe(1, e, 0.040 + 0.0001 * e)
+    told = []
+    p.gate.drafting = lambda b, sampled, key=None: True
+    p.gate.observe = lambda b, on, tokens, seconds, sampled, key: True  # counted
+    p.gate.observe_shadow = lambda b, key, tokens, seconds: told.append((key, tokens, seconds))
+    # "5 6" came before, followed by 7 8 9 10: the target then copies 7 8 9 and says 4
+    steps = [[5, 6, 7, 8, 9, 10, 5, 6], [5, 6, 7, 8, 9, 10, 5, 6, 7, 8],
+             [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 4]]
+    for ctx in steps:
+        sampled, n, ids = inputs([ctx])
+        p.propose(sampled, n, ids)
+        clock.now += 0.1
+    # step 2 (8 -> 10): lookups alone at 8 serve 7 8 9 10, the context tells 2 so far;
+    # step 3 (-> 12): the copy matched 7 8 9, the target said 4: 4 tokens in one step
+    assert [(k, t) for k, t, _ in told] == [("a", 0), ("a", 4)]
+    assert told[1][2] == pytest.approx(0.0404, abs=2e-4)  # one lent step with 4 verified
+    # the model off, lookups served: the shadow beside what they measured
+    p.gate.drafting = lambda b, sampled, key=None: False
+    p.lookup_gate.drafting = lambda b, sampled, key=None: True
+    for ctx in ([*steps[-1], 5, 6], [*steps[-1], 5, 6, 7, 8, 9, 10]):
+        sampled, n, ids = inputs([ctx])
+        p.propose(sampled, n, ids)
+        clock.now += 0.05
+    check = p._local_stats()["shadow_check"]
+    assert check["steps_tokens"] == 4 and check["measured_tokens_per_s"] == pytest.approx(80.0)
+    assert check["shadow_tokens_per_s"] > 0
+
+
+def test_no_shadow_where_the_mode_changes_the_output_or_no_request_is_named(clock):
+    """Sampled steps (the tokens depend on the mode) and batches of several requests (the
+    gate pairs nothing there) are never replayed: their gate runs its trials as before."""
+    from duo_vllm.lookup import ContextLookup
+    from duo_vllm.shadow import ShadowLookups
+
+    for temps, req_ids in ((np.full(1, 0.7, dtype=np.float32), ["a"]),
+                           (np.zeros(2, dtype=np.float32), ["a", "b"])):
+        p = bare(FakeWorker(drafts=[[] for _ in req_ids]), k=2)
+        p.lookup = ContextLookup(min_n=2, max_n=4)
+        p.shadow = ShadowLookups(4, 2, 4)
+        p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
+            temperature_cpu=temps, req_ids=req_ids)))
+        for e in range(0, 5):
+            p.lent_step_time.observe(len(req_ids), e, 0.040)
+            p.lent_step_time.observe(1, e, 0.040)
+        p.gate.drafting = lambda b, sampled, key=None: True
+        p.gate.observe = lambda *a: True
+        p.gate.observe_shadow = lambda *a: pytest.fail("a shadow here")
+        ctx = [5, 6, 7, 8, 9, 10, 5, 6]
+        for extra in ([], [7, 8, 9, 4], [7, 8, 9, 4, 1, 2]):
+            sampled, n, ids = inputs([ctx + extra] * len(req_ids))
+            p.propose(sampled, n, ids)
+            clock.now += 0.1
