@@ -217,9 +217,16 @@ class DraftGate(_GateRates):
             if due and b in self._abandoned_at and \
                     self._clock[b] - self._abandoned_at[b] <= self._retry(b):
                 due = False  # a trial was abandoned here lately
-            if on and self._shadow_ready(b, key) and (due or self._judged.get(b) != key):
+            # a verdict (or a trial) falls due here: on the shadow where it can be had
+            judge = due or self._judged.get(b) != key or b in self._trying
+            if on and judge and self._shadow_ready(b, key):
                 due = False  # plain decoding is judged on this request without a trial
                 on = self._shadow_verdict(b, key)
+            elif on and judge and self._shadow_pending(b, key):
+                # drafting's trial ran into a new request: its own shadow judges it within
+                # shadow_steps (a pairing or a verdict on the rates there once measured
+                # the request before as well, and dropped this one's sums)
+                due = False
             elif due:
                 on = not on  # try the other mode (again), measured afresh
                 self._start_trial(b, on)
@@ -388,6 +395,13 @@ class DraftGate(_GateRates):
         on = self._paired.get(b, {}).get((key, True))
         return key is not None and shadow is not None and on is not None and \
             min(shadow[2], on[2]) >= self.shadow_steps and shadow[1] > 0 and on[1] > 0
+
+    def _shadow_pending(self, b, key) -> bool:
+        """Is request ``key``'s shadow under way in bucket ``b``, with fewer than
+        ``shadow_steps`` steps of drafting measured on it yet?"""
+        on = self._paired.get(b, {}).get((key, True))
+        return key is not None and key in self._shadow.get(b, {}) and \
+            (on is None or on[2] < self.shadow_steps)
 
     def _shadow_verdict(self, b, key) -> bool:
         """Drafting's rate on request ``key`` against lookups alone on the same tokens

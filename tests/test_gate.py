@@ -611,6 +611,20 @@ def test_lookups_alone_on_the_same_tokens_judge_drafting_without_a_trial():
         ("on", "next request"), ("on", "shadow")]
 
 
+def test_a_trial_that_runs_into_the_next_request_waits_for_that_requests_shadow():
+    """Drafting's trial on request 1 (after a verdict for plain decoding on request 0)
+    outlives that short request: at its end request 2 has 4 steps measured. The
+    verdict waits for request 2's own shadow (16 steps), rather than pair plain
+    decoding's trial there or judge on rates partly measured on request 1 (a
+    benchmark did both, then judged on the shadow 16 steps later anyway)."""
+    gate = DraftGate()
+    modes = run_shadowed(gate, [100, 36, 100], [(26.0, 33.0, 33.0), (60.0, 20.0, 25.0),
+                                                (16.0, 20.0, 20.0)])
+    assert modes[2] == [True] * 16 + [False] * 84
+    assert [tuple(e[2:4]) for e in gate.log][-2:] == [("on", "next request"),
+                                                      ("off", "shadow")]
+
+
 def test_without_a_shadow_plain_decoding_is_tried_as_before():
     """Steps without a shadow (batch > 1, sampled, or no lent step measured yet) keep
     plain decoding's trials: the shadow of another request judges nothing."""
