@@ -366,18 +366,22 @@ class DraftGate(_GateRates):
         # (faster_on: a tie). Else a tie there turned drafting off, unscoped, for a retry
         # interval: 256 batch-1 steps of requests that drafted at twice the speed.
         on = drafting_wins(*rates, self.margin, tie_on=fresh or not self._mode[b])
+        if on or (self._trying.get(b) is False and key is not None):
+            self._settle(b, on, key)  # (plain decoding won its own trial, on a request)
+        self._note(b, on, how, *rates)
+        return on
+
+    def _settle(self, b, on: bool, key) -> None:
+        """A verdict on request ``key``: for drafting, no new trial at the next request;
+        for plain decoding, this request and as many after it as its wins in a row earn."""
         if on:
-            self._scope.pop(b, None)  # drafting won: no new trial at the next request
+            self._scope.pop(b, None)
             self._wins.pop(b, None)
             self._skip.pop(b, None)
-        elif self._trying.get(b) is False and key is not None:
-            # plain decoding won its trial: on this request, and on as many after it as
-            # its wins in a row earn
+        else:
             wins = self._wins[b] = self._wins.get(b, 0) + 1
             self._scope[b] = key
             self._skip[b] = 2 ** (wins - 1) - 1
-        self._note(b, on, how, *rates)
-        return on
 
     def _best_pair(self, b):
         """The request both modes ran on longest in bucket ``b``, if both ran at least
@@ -417,14 +421,7 @@ class DraftGate(_GateRates):
         if self._trying.pop(b, None) is True:  # drafting's retry: did it lose (again)?
             lost = (b, True)
             self._lost[lost] = 0 if on else self._lost.get(lost, 0) + 1
-        if on:
-            self._scope.pop(b, None)
-            self._wins.pop(b, None)
-            self._skip.pop(b, None)
-        else:  # as a paired verdict for plain decoding: this request, and its wins' share
-            wins = self._wins[b] = self._wins.get(b, 0) + 1
-            self._scope[b] = key
-            self._skip[b] = 2 ** (wins - 1) - 1
+        self._settle(b, on, key)  # as a paired verdict
         self._note(b, on, "shadow", *rates)
         return on
 
