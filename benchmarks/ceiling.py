@@ -17,10 +17,13 @@ noise. Each step takes the better (tokens per second) of:
   during one step, its guess of the target's next token included; less
   ``--overhead-calls``) or the lookup draft, whichever is accepted further.
 
-Three ways the model's chain is ready: ``oracle`` (every step), ``designed``
+Four ways the model's chain is ready: ``oracle`` (every step), ``designed``
 (the pre-draft's rule: the step before accepted its whole draft and the
-draft's top-1 guessed the target's next token; otherwise a lent step), and
-``spot`` (the same, a miss drafting 1-4 tokens on the spot while vLLM waits).
+draft's top-1 guessed the target's next token; otherwise a lent step),
+``spot`` (the same, a miss drafting 1-4 tokens on the spot while vLLM waits)
+and ``hedged`` (``designed``, and also wherever the target's token is among
+the draft's top ``--hedge-width`` there, as if hedges on them cost no draft
+time: a bound on any hedging of that width).
 The draft prefills each prompt (``--prefill-draft`` s a token; with
 ``--window W`` only the part a W-token window holds, and its guesses see only
 that part) beside the target's own prefill (``--prefill-target``); until it is
@@ -69,31 +72,38 @@ def window_prompt(p: list[int], window: int) -> list[int]:
     return p[:head] + p[len(p) - (window - head):]
 
 
-def draft_guesses(model_path: str, rows, window: int = 0) -> list[list[int]]:
+def draft_guesses(model_path: str, rows, window: int = 0,
+                  rank: int = 1) -> list[list[int]] | tuple[list[list[int]], list]:
     """The draft's greedy token for each output position, given the true output and the
-    prompt as a ``window`` holds it (0: the whole prompt)."""
+    prompt as a ``window`` holds it (0: the whole prompt). ``rank`` above 1: also its
+    next ``rank - 1`` choices at each position (a tuple of the two lists)."""
     from llama_cpp import Llama
 
     llm = Llama(model_path, n_ctx=4096, logits_all=True, n_threads=os.cpu_count(),
                 n_batch=512, verbose=False)
-    out = []
+    out, second = [], []
     for _, p, o in rows:
         q = window_prompt(p, window)
         llm.reset()
         llm.eval(q + o)
         scores = np.asarray(llm.scores[len(q) - 1:len(q) + len(o) - 1])
-        out.append(scores.argmax(-1).tolist())
-    return out
+        top = np.argsort(-scores, axis=-1, kind="stable")[:, :max(rank, 1)]
+        out.append(top[:, 0].tolist())
+        second.append([set(r) for r in top[:, 1:].tolist()])
+    return (out, second) if rank > 1 else out
 
 
 def replay(p, o, guess, t1, tl, c, d, prefill_target, prefill_draft, ready_rule, k=8,
-           overhead_calls=0, window=0, busy_prefill=False):
+           overhead_calls=0, window=0, busy_prefill=False, second=None):
     """(plain on every core, this) seconds for one request. ``overhead_calls``: draft
     calls of each pre-draft that add no token to the next step's chain. ``window``: the
     draft prefills that much of the prompt (0: all of it). ``busy_prefill``: while the
     draft prefills, its core is not the target's, so the lookup steps before it is ready
     run on the target's own cores (``t1``) rather than lent (``tl``). ``ready_rule``
-    ``"lookups"``: no draft model at all (lent lookup steps, lent prefill)."""
+    ``"lookups"``: no draft model at all (lent lookup steps, lent prefill); ``"hedged"``:
+    ``designed``, and also ready wherever the target's own token is among the draft's
+    next choices there (``second``: a set of tokens a position) or its top-1 after a
+    served lookup copy, as free hedges would be: a bound on any hedge on those choices."""
     ctx = np.asarray(p + o, dtype=np.int64)
     # each step advances n + 1 tokens when all are accepted: the draft makes n + 1 (its
     # guess of the target's own next token included) while the target verifies n
@@ -132,7 +142,8 @@ def replay(p, o, guess, t1, tl, c, d, prefill_target, prefill_draft, ready_rule,
         _, step, a, served = max(options)
         t += step
         pos = i + a
-        hit = a == served and pos < len(o) and guess[pos] == o[pos]
+        hit = pos < len(o) and ((a == served and guess[pos] == o[pos]) or (
+            ready_rule == "hedged" and (guess[pos] == o[pos] or o[pos] in second[pos])))
         i += a + 1
     return plain, t
 
@@ -162,12 +173,16 @@ def main(argv=None) -> None:
     ap.add_argument("--best-of-lookups", action="store_true",
                     help="per request, the faster of the rule and lookups alone (no draft "
                          "model: lent steps and a lent prefill), as a per-request gate could")
+    ap.add_argument("--hedge-width", type=int, default=2,
+                    help="the hedged bound's choices a position, the draft's top-1 included")
     args = ap.parse_args(argv)
+    if args.hedge_width < 2:
+        ap.error("--hedge-width must be at least 2")
     from duo_vllm.models import default_draft_gguf, prepare_draft
 
     rows = stored_outputs(args.results)
-    guesses = draft_guesses(args.draft or prepare_draft(default_draft_gguf()), rows,
-                            args.window)
+    guesses, seconds = draft_guesses(args.draft or prepare_draft(default_draft_gguf()), rows,
+                                     args.window, rank=args.hedge_width)
     agree = np.mean([np.mean(np.asarray(g) == np.asarray(o))
                      for (_, _, o), g in zip(rows, guesses)])
     seen = f"window {args.window}" if args.window else "whole context"
@@ -179,14 +194,18 @@ def main(argv=None) -> None:
           + (", lookups beside the draft's prefill on the target's cores" if args.busy_prefill
              else "") + (", each request the better of it and lookups alone"
                          if args.best_of_lookups else ""))
+    topk = np.mean([np.mean([t == a or t in b for t, a, b in zip(o, g, s)])
+                    for (_, _, o), g, s in zip(rows, guesses, seconds)])
+    print(f"its top {args.hedge_width} hold the target's token at {topk:.3f} of positions")
     for rule, over in (("lookups", 0), ("oracle", 0), ("designed", 0), ("spot", 0),
-                       ("designed", args.overhead_calls), ("spot", args.overhead_calls)):
+                       ("hedged", 0), ("designed", args.overhead_calls),
+                       ("spot", args.overhead_calls)):
         per_task: dict = {}
-        for (task, p, o), g in zip(rows, guesses):
+        for (task, p, o), g, s in zip(rows, guesses, seconds):
             def run(r):
                 return replay(p, o, g, args.t1, args.tl, args.c, args.d, args.prefill_target,
                               args.prefill_draft, r, overhead_calls=over, window=args.window,
-                              busy_prefill=args.busy_prefill)
+                              busy_prefill=args.busy_prefill, second=s)
             plain, t = run(rule)
             if args.best_of_lookups and rule != "lookups":
                 t = min(t, run("lookups")[1])

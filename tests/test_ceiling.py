@@ -31,3 +31,16 @@ def test_a_long_prompts_draft_prefill_costs_more_when_its_core_is_not_lent():
     _, windowed = replay(p, o, wrong, ready_rule="oracle", busy_prefill=True, window=256,
                          **COSTS)
     assert lent <= windowed < busy  # a 256-token window is ready before the target
+
+
+def test_a_free_hedge_on_the_runner_up_recovers_the_steps_a_top_one_miss_loses():
+    p, o = list(range(100, 140)), list(range(1000, 1128))
+    guess = [t if i % 3 else -1 for i, t in enumerate(o)]  # top-1 misses every third token
+    second = [{t} if i % 3 == 0 else {-2} for i, t in enumerate(o)]  # ... where the runner-up is it
+    _, designed = replay(p, o, guess, ready_rule="designed", second=second, **COSTS)
+    _, hedged = replay(p, o, guess, ready_rule="hedged", second=second, **COSTS)
+    _, oracle = replay(p, o, guess, ready_rule="oracle", **COSTS)
+    assert oracle <= hedged < designed
+    wrong = [{-2}] * len(o)  # a runner-up that is never the target's: no hedge ever lands
+    _, nothing = replay(p, o, guess, ready_rule="hedged", second=wrong, **COSTS)
+    assert nothing == pytest.approx(designed)
