@@ -495,7 +495,7 @@ class _Trial:
 
     def rate(self, on: bool) -> float | None:
         tokens, seconds, _ = self.sums[on]
-        return tokens / seconds if seconds > 0 else None
+        return tokens_per_s(tokens, seconds)
 
 
 class LookupGate(_GateRates):
@@ -623,3 +623,8 @@ class LookupGate(_GateRates):
         if b in self._trial:
             self._trial[b].add(on, tokens, seconds)
         self._record(b, on, tokens, seconds)
+
+
+def tokens_per_s(tokens: float, seconds: float) -> float | None:
+    """A measured rate; None before any time was measured."""
+    return tokens / seconds if seconds > 0 else None

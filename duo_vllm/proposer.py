@@ -22,7 +22,7 @@ from .client import ActorClient
 from .config import DuoConfig, allowed_cpus, resolve_draft_cores, target_cores
 from .delta import DeltaSender
 from .drafts_out import attach_drafts
-from .gate import DraftGate, LookupGate
+from .gate import DraftGate, LookupGate, tokens_per_s
 from .lending import (WARM_ROWS, MatmulPrimitives, TargetThreads, bind_order, lend_plan,
                       lend_prefill, remake_pays)
 from .goodput import StepTimeModel
@@ -797,8 +797,8 @@ class DuoProposer:
             **(self.lookup.summary() if self.lookup is not None else {}),
             # batch 1 greedy, lookups alone: the shadow's rate against the measured one
             "shadow_check": {"steps_tokens": self.shadow_check[2],
-                             "shadow_tokens_per_s": _rate(*self.shadow_check[:2]),
-                             "measured_tokens_per_s": _rate(*self.shadow_check[2:])},
+                             "shadow_tokens_per_s": tokens_per_s(*self.shadow_check[:2]),
+                             "measured_tokens_per_s": tokens_per_s(*self.shadow_check[2:])},
         }
 
     def stats(self) -> dict:
@@ -808,13 +808,13 @@ class DuoProposer:
         return {**self._call("stats"), **self._local_stats()}
 
     def _maybe_log_stats(self, interval_s: float = 10.0) -> None:
-        """Log the draft statistics every ``interval_s`` without blocking the step."""
+        """Log the statistics (and publish them as metrics) every ``interval_s`` without
+        blocking the step: the actor's half is asked for, and read once it is there."""
         if time.monotonic() - self._stats_logged_at < interval_s:
             return
-        if self.config.lookup_only:
-            self._log_lookup_stats()
-            return
-        if self._client is None:
+        if self.config.lookup_only:  # no draft side to ask
+            s = self._local_stats()
+        elif self._client is None:
             s = {**self._worker.stats(), **self._local_stats()}
         elif self._stats_ref is None:
             if self._client.healthy:
@@ -831,6 +831,13 @@ class DuoProposer:
         self._stats_logged_at = time.monotonic()
         from .metrics import publish  # duo:* metrics on vLLM's /metrics (see duo_vllm/metrics.py)
         publish(s)
+        if self.config.lookup_only:
+            logger.info("DuoProposer (lookups only): lookup tokens accepted %d of %d served, "
+                        "steps without lookup drafts %d, propose() %.1f ms/step",
+                        s.get("lookup_tokens_accepted", 0), s.get("lookup_tokens_served", 0),
+                        s["gate_no_draft_steps"],
+                        1e3 * s["propose_total_s"] / max(1, self._steps))
+            return
         logger.info(
             "DuoProposer: pre-draft hit rate %.1f%%, branch hit rate %.1f%%, branches %s, "
             "%.2f draft tokens/step, actor busy %.0f%%, draft %.1f ms/token, target step "
@@ -840,18 +847,6 @@ class DuoProposer:
             100 * s["busy_fraction"], s["draft_token_ms"], s["target_step_ms"],
             s["propose_wait_ms"], s.get("lookup_tokens_accepted", 0),
             s.get("lookup_tokens_served", 0))
-
-    def _log_lookup_stats(self) -> None:
-        """The periodic stats line (and metrics) of lookups only: no draft side to ask."""
-        self._stats_logged_at = time.monotonic()
-        s = self._local_stats()
-        from .metrics import publish
-
-        publish(s)
-        logger.info("DuoProposer (lookups only): lookup tokens accepted %d of %d served, "
-                    "steps without lookup drafts %d, propose() %.1f ms/step",
-                    s.get("lookup_tokens_accepted", 0), s.get("lookup_tokens_served", 0),
-                    s["gate_no_draft_steps"], 1e3 * s["propose_total_s"] / max(1, self._steps))
 
     def load_model(self, model=None, *args, **kwargs) -> None:
         """vLLM hook with the target model; the draft model is loaded by the actor at
@@ -922,10 +917,6 @@ def onednn_acl() -> bool:
     from vllm import _custom_ops
 
     return bool(getattr(_custom_ops, "is_onednn_acl_supported", lambda: False)())
-
-
-def _rate(tokens: float, seconds: float) -> float | None:
-    return tokens / seconds if seconds > 0 else None
 
 
 def valid_prefix(draft, vocab_size: int) -> list[int]:
