@@ -36,7 +36,8 @@ def speculative_config(num_speculative_tokens: int, duo: dict | None = None) -> 
 
 
 def set_cpu_defaults(target_cores: str = "0", kv_cache_gib: int = 1) -> None:
-    """Bind vLLM's target to ``target_cores`` (unless the user already chose) and size its KV cache."""
+    """Bind vLLM's target to ``target_cores`` (unless the user already chose) and size its
+    KV cache."""
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", target_cores)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
 

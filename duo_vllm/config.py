@@ -252,7 +252,8 @@ class DuoConfig:
                                  f"got {t!r}")
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) \
                 or self.max_restarts < 0:
-            raise DuoConfigError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
+            raise DuoConfigError(
+                f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
         if self.resources is not None:
             r = self.resources
             if not isinstance(r, dict) or not all(
@@ -480,7 +481,8 @@ def parse_json_option(raw: str, source: str) -> dict[str, Any]:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise DuoConfigError(
-            f"{source} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): {text[:200]!r}"
+            f"{source} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): "
+            f"{text[:200]!r}"
         ) from e
     if not isinstance(data, dict):
         raise DuoConfigError(f"{source} must be a JSON object, got {type(data).__name__}")

@@ -4,11 +4,12 @@
 pre-drafted during the previous step (a *hit*: no draft compute on the
 critical path) or drafts a chain from the real context while vLLM waits
 (a *miss*); how many tokens each request gets, zero included, is the goodput
-controller's choice (:mod:`duo_vllm.goodput`). It then queues *pre-draft* jobs: assume the draft just returned
-will be fully accepted, and prepare, for the token the target samples after
-it, one branch per likely candidate (DuoDecoding's dynamic multi-sequence
-drafting). ``predraft`` runs those jobs while vLLM verifies, and stops early
-when ``interrupt()`` says the next step has arrived.
+controller's choice (:mod:`duo_vllm.goodput`). It then queues *pre-draft* jobs:
+assume the draft just returned will be fully accepted, and prepare, for the
+token the target samples after it, one branch per likely candidate
+(DuoDecoding's dynamic multi-sequence drafting). ``predraft`` runs those jobs
+while vLLM verifies, and stops early when ``interrupt()`` says the next step
+has arrived.
 
 Each branch grows along the draft's top-1 token, or, for a sampled request
 (``sampled_drafts``), along tokens drawn from the draft's own distribution q,

@@ -104,8 +104,8 @@ class DraftGate(_GateRates):
     plain and waits as long for its first trial of drafting (a server does not
     pay a trial at each new batch size where drafting is unlikely to pay). Where
     no smaller one is judged yet, drafting counts as batch 1's winner.
-    Modes change only at the end of a trial: a dip between trials (the steps while the draft prefills
-    a new long prompt, say) does not turn drafting off until the next trial.
+    Modes change only at the end of a trial: a dip between trials (the steps while the draft
+    prefills a new long prompt, say) does not turn drafting off until the next trial.
     A trial the traffic leaves (its batch size not seen again within
     ``abandon_after`` trial lengths of steps, as batch 16 drains to batch 8-15 in
     a few dozen steps) ends there: where it measured at least ``judge_after`` of a

@@ -74,7 +74,8 @@ def expected_accepted(alpha: float | Sequence[float], n: int) -> float:
 
 @dataclass(frozen=True)
 class TargetCost:
-    """T(B, e) = t0 + per_token · e for the current batch: the step that verifies e extra tokens."""
+    """T(B, e) = t0 + per_token · e for the current batch: the step that verifies e extra
+    tokens."""
 
     t0: float  # T₀(B): a plain step at this batch size, seconds
     per_token: float  # c: seconds per extra verified token

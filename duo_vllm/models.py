@@ -63,7 +63,8 @@ def file_sha256(path: str, chunk: int = 1 << 20) -> str:
 
 
 # draft_quant "auto": file types llama.cpp's CPU backend runs slowly, and what to
-# re-quantise them to (measured in benchmarks/profile_draft.py; docs/install.md, the draft file type)
+# re-quantise them to (measured in benchmarks/profile_draft.py; docs/install.md, the
+# draft file type)
 AUTO_REQUANT = {"LLAMA_FTYPE_MOSTLY_Q4_1": "q8_0"}
 
 
