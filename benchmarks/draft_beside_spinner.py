@@ -40,8 +40,8 @@ def main(argv=None) -> None:
     ap.add_argument("--core", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
-    from duo_vllm.actor import pin_process
-    from duo_vllm.backends.llama_cpp import LlamaCppBackend
+    from duo_vllm.runtime.actor import pin_process
+    from duo_vllm.draft.backend import LlamaCppBackend
     from duo_vllm.models import default_draft_gguf, prepare_draft
 
     pin_process([args.core])

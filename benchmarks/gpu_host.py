@@ -129,8 +129,8 @@ class Decoder:
     width-1 decode call and returns its seconds."""
 
     def __init__(self, model: str, cores: list[int]):
-        from duo_vllm.actor import pin_process
-        from duo_vllm.backends.llama_cpp import LlamaCppBackend
+        from duo_vllm.runtime.actor import pin_process
+        from duo_vllm.draft.backend import LlamaCppBackend
 
         pin_process(cores)
         self.be = LlamaCppBackend(model, n_ctx=2048, n_seq=1, n_threads=len(cores))
@@ -283,7 +283,7 @@ def main(argv=None) -> int:
     print(json.dumps(res["host"]), flush=True)
     model = args.draft
     if model is None:
-        from duo_vllm.backends.llama_cpp import requantize
+        from duo_vllm.draft.backend import requantize
 
         import tempfile
 

@@ -77,7 +77,7 @@ class DraftFreeEmptyProposer(EmptyProposer):
     decoding (patches/README.md, 2c)."""
 
     def __init__(self, vllm_config):
-        from duo_vllm.vllm_patches import install_draft_free_sampling
+        from duo_vllm.vllm.patches import install_draft_free_sampling
 
         if not install_draft_free_sampling():
             raise RuntimeError("this vLLM has no GPUModelRunner._sample to hook")
@@ -89,7 +89,7 @@ class RayEmptyProposer(EmptyProposer):
 
     def __init__(self, vllm_config):
         from duo_vllm.config import DuoConfig
-        from duo_vllm.raynode import ensure_ray
+        from duo_vllm.runtime.raynode import ensure_ray
 
         ensure_ray(DuoConfig())
 
@@ -99,10 +99,10 @@ class ActorEmptyProposer(EmptyProposer):
     (``spec-actor``): what an idle draft actor on its own core costs vLLM's loop."""
 
     def __init__(self, vllm_config):
-        from duo_vllm.actor import get_or_create_actor
+        from duo_vllm.runtime.actor import get_or_create_actor
         from duo_vllm.config import DuoConfig
         from duo_vllm.models import default_draft_gguf
-        from duo_vllm.raynode import ensure_ray
+        from duo_vllm.runtime.raynode import ensure_ray
 
         cfg = DuoConfig(draft_cores=(1,))
         ray = ensure_ray(cfg)

@@ -27,9 +27,9 @@ import time
 
 import numpy as np
 
-from duo_vllm.actor import pin_process
-from duo_vllm.backends.llama_cpp import LlamaCppBackend
-from duo_vllm.branching import top_candidates
+from duo_vllm.runtime.actor import pin_process
+from duo_vllm.draft.backend import LlamaCppBackend
+from duo_vllm.draft.branching import top_candidates
 from duo_vllm.config import parse_cpu_list
 from duo_vllm.models import default_draft_gguf, prepare_draft
 

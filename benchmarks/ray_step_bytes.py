@@ -6,7 +6,7 @@ A real Ray instance, started as DuoProposer starts it (a private local
 instance, 128 MiB object store), and two stand-in draft actors made as
 get_or_create_actor makes the real one (``num_cpus=0, max_concurrency=1``),
 with no model: one takes full contexts (before), the other deltas against
-the contexts it keeps (after, duo_vllm/delta.py); both turn them into the
+the contexts it keeps (after, duo_vllm/runtime/delta.py); both turn them into the
 drafter's ``np.int32`` contexts and return empty drafts. Every step the
 batch's contexts (``--context`` tokens to begin with, vLLM-style request
 ids) grow by 1-4 tokens, and both actors are called with them, in turn,
@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from duo_vllm.delta import Delta, DeltaReceiver, DeltaSender, Drafts
+from duo_vllm.runtime.delta import Delta, DeltaReceiver, DeltaSender, Drafts
 
 
 class StandInActor:

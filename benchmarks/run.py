@@ -89,7 +89,7 @@ METHODS = {
     "duo-lend-base": dict(bind="0-1", base=True, duo={"parallel": True, "multi_sequence": True,
                                                       "budget": "auto"}),
     # duo-lend with vLLM's engine core asking the worker for the drafts after each step
-    # (duo_vllm's vllm.general_plugins entry point not loaded: duo_vllm/drafts_out.py)
+    # (duo_vllm's vllm.general_plugins entry point not loaded: duo_vllm/vllm/drafts_out.py)
     "duo-lend-rpc": dict(bind="0-1", no_plugin=True, duo={"parallel": True,
                                                           "multi_sequence": True,
                                                           "budget": "auto"}),
@@ -177,7 +177,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         "gate_no_draft_steps": d["gate_no_draft_steps"],
         "gate_tokens_per_s": after.get("gate_tokens_per_s"),
         "gate_log": after.get("gate_log"),
-        # batch 1 greedy, lookups alone: the gate's replay of them (duo_vllm/shadow.py)
+        # batch 1 greedy, lookups alone: the gate's replay of them (duo_vllm/control/shadow.py)
         # against what they measured, since the engine started
         "shadow_check": after.get("shadow_check"),
         "no_slot": d["no_slot"], "probes": d["probes"], "short_lived": d["short_lived"],

@@ -2,7 +2,7 @@
 
 A Ray actor pinned to the draft's core answers a small ``propose``-sized call
 (a 300-token context in, one 4-token draft out) at once, through Ray and over
-:mod:`duo_vllm.channel`, from a caller pinned to the target's core; idle, and
+:mod:`duo_vllm.runtime.channel`, from a caller pinned to the target's core; idle, and
 beside a thread that keeps the actor's core busy with GIL-free matrix
 products (as llama.cpp's decode calls do). Round trips in ms, medians of
 ``--calls`` calls 20 ms apart (a vLLM step's pace).
@@ -37,7 +37,7 @@ def make_actor(ray, core: int, busy: bool):
                 a @ a  # releases the GIL, as a llama.cpp call does
 
         def open_channel(self):
-            from duo_vllm.channel import ChannelServer
+            from duo_vllm.runtime.channel import ChannelServer
 
             self.server = self.server or ChannelServer(self)
             return self.server.address, self.server.authkey
@@ -67,7 +67,7 @@ def main() -> None:
     args = ap.parse_args()
     import ray
 
-    from duo_vllm.channel import Channel
+    from duo_vllm.runtime.channel import Channel
 
     os.sched_setaffinity(0, {args.caller_core})
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,

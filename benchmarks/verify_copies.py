@@ -1,5 +1,5 @@
 """vLLM's rejection sampler on one step with drafts, stock and without the logits
-copies it keeps for logprobs (``duo_vllm.vllm_patches.install_logprob_free_verify``).
+copies it keeps for logprobs (``duo_vllm.vllm.patches.install_logprob_free_verify``).
 
 Hand-built logits (random), ``--k`` drafts a request, one thread on core 0, vLLM-CPU's
 kernels as its platform registers them. Medians of ``--steps`` calls; the tokens of
@@ -31,7 +31,7 @@ def main() -> None:
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
 
-    from duo_vllm.vllm_patches import (fix_cpu_expand_kernel, with_bonus_without_logprobs,
+    from duo_vllm.vllm.patches import (fix_cpu_expand_kernel, with_bonus_without_logprobs,
                                        with_logprob_free_verify)
     from tests.test_vllm_patches import _spec_metadata, sampling_metadata
 

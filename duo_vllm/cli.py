@@ -72,14 +72,14 @@ def draft_stats(llm) -> dict:
 
 
 def _cmd_prepare(args) -> int:
-    from .models import prepare_default_target
+    from duo_vllm.models import prepare_default_target
 
     print(prepare_default_target())
     return 0
 
 
 def _cmd_generate(args) -> int:
-    from .models import prepare_default_target
+    from duo_vllm.models import prepare_default_target
 
     duo = json.loads(args.duo_config) if args.duo_config else None
     on_cpu = cpu_platform()
@@ -155,7 +155,7 @@ def default_target_cores(duo: dict | None = None, environ: dict | None = None) -
     CPU but the last, which the draft keeps; with ``draft_cores``, every CPU but
     those. One CPU: shared. With ``lookup_only`` (no draft model): every CPU.
     """
-    from .config import EXTRA_CONFIG_KEY, DuoConfig, allowed_cpus
+    from duo_vllm.config import EXTRA_CONFIG_KEY, DuoConfig, allowed_cpus
 
     cfg = DuoConfig.from_sources({EXTRA_CONFIG_KEY: duo or {}}, environ)
     cpus = allowed_cpus()
@@ -244,7 +244,7 @@ def build_serve_command(argv: list[str], environ: dict | None = None, default_mo
         parser.error("--num-speculative-tokens must be >= 1")
     duo = None
     if args.duo:
-        from .config import DuoConfig, DuoConfigError, parse_json_option
+        from duo_vllm.config import DuoConfig, DuoConfigError, parse_json_option
 
         try:
             duo = parse_json_option(args.duo, source="--duo")
@@ -261,20 +261,20 @@ def build_serve_command(argv: list[str], environ: dict | None = None, default_mo
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.target_cores
     if (on_cpu or cpu_platform)():
         if "VLLM_CPU_OMP_THREADS_BIND" not in env:
-            from .config import DuoConfigError
+            from duo_vllm.config import DuoConfigError
 
             try:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = default_target_cores(duo, env)
             except DuoConfigError as e:  # $DUO_VLLM_CONFIG's options
                 parser.error(str(e))
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from .config import forward_to_ray_workers
+    from duo_vllm.config import forward_to_ray_workers
 
     env = forward_to_ray_workers(env)  # $DUO_VLLM_CONFIG under vLLM's legacy Ray executor
     vllm_args = list(passthrough)
     if model is None and not _has_flag(passthrough, "--model"):
         if default_model is None:
-            from .models import prepare_default_target
+            from duo_vllm.models import prepare_default_target
 
             def default_model():
                 return prepare_default_target(log=lambda m: print(m, file=sys.stderr))
@@ -320,8 +320,8 @@ def _time_draft(model_path: str, cores: list[int], n_threads: int | None) -> dic
     """Draft time per token (one-token decode) and per prefill token, pinned to ``cores``."""
     import numpy as np
 
-    from .actor import pin_process
-    from .backends.llama_cpp import LlamaCppBackend
+    from duo_vllm.runtime.actor import pin_process
+    from duo_vllm.draft.backend import LlamaCppBackend
 
     pin_process(cores)
     be = LlamaCppBackend(model_path, n_ctx=1024, n_seq=1, n_threads=n_threads or len(cores))
@@ -354,8 +354,8 @@ def _time_target(target: str, dtype: str, tokens: int = 64) -> float:
 def _cmd_profile(args) -> int:
     import multiprocessing as mp
 
-    from .config import parse_cpu_list
-    from .models import default_draft_gguf, prepare_default_target, prepare_draft
+    from duo_vllm.config import parse_cpu_list
+    from duo_vllm.models import default_draft_gguf, prepare_default_target, prepare_draft
 
     draft = prepare_draft(args.draft or default_draft_gguf(), args.draft_quant,
                           log=lambda m: print(m, file=sys.stderr))
@@ -365,7 +365,7 @@ def _cmd_profile(args) -> int:
     set_cpu_defaults(args.target_cores)
     target = args.target or prepare_default_target(log=lambda m: print(m, file=sys.stderr))
     step = _time_target(target, args.dtype)
-    from .goodput import TargetCost, plan_predraft, plan_sync
+    from duo_vllm.control.goodput import TargetCost, plan_predraft, plan_sync
 
     k = args.k
     cost = TargetCost(step, 0.1 * step)  # a guess: the proposer measures it when serving

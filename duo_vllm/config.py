@@ -16,8 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .backends.llama_cpp import QUANT_FTYPES
-from .host import (
+from duo_vllm.draft.backend import QUANT_FTYPES
+from duo_vllm.host.cores import (
     CoreChoice, Topology, cgroup_cpu_limit, choose_draft_cores, draft_threads, gpu_numa_node,
     parse_cpu_list, read_topology,
 )
@@ -64,7 +64,7 @@ class DuoConfig:
             ``"iq4_nl"``, ``"f16"``: re-quantise to that type (the 4-bit ones
             lose accuracy, hence acceptance, for speed).
         draft_cores: CPU ids the draft actor is pinned to. ``None``: a few
-            physical cores (:func:`duo_vllm.host.choose_draft_cores`): free ones
+            physical cores (:func:`duo_vllm.host.cores.choose_draft_cores`): free ones
             of vLLM's CPU binding, or, where vLLM binds none (GPU vLLM), some of
             one NUMA node's, the GPU's where known (the last core if none is free).
         n_threads: llama.cpp threads; ``None`` means one per draft core, at most
@@ -93,7 +93,7 @@ class DuoConfig:
             (least recently used states are dropped beyond it). Unset: vLLM's
             ``max_num_seqs``, within a bound on the draft's KV cache.
         prompt_cache_mb: Host memory, in MiB, for the draft's KV of requests whose
-            slot went to another (``duo_vllm/prompt_cache.py``): a prompt seen again
+            slot went to another (``duo_vllm/draft/prompt_cache.py``): a prompt seen again
             (a retry, a shared system prompt, a chat's next turn, a document asked
             about again) is restored there instead of prefilled anew by the draft,
             as vLLM's prefix cache spares the target. ``0``: none.
@@ -133,13 +133,13 @@ class DuoConfig:
             (``VLLM_CPU_OMP_THREADS_BIND``) ends with the draft's cores, the
             target runs on all of them while the gate keeps the draft model
             off (or the draft side is held or gone), and gives the draft's
-            cores back while it drafts (``duo_vllm/lending.py``). ``False``:
+            cores back while it drafts (``duo_vllm/host/lending.py``). ``False``:
             the draft shares them as configured.
         sampled_drafts: For a sampled request (temperature > 0), draw each draft
             token from the draft's own distribution q (at the request's
             temperature) and hand q to vLLM's rejection sampler, which then
             accepts a token with probability min(1, p/q) instead of p alone
-            (``duo_vllm/sampling.py``); exact either way. ``False``: the
+            (``duo_vllm/draft/sampling.py``); exact either way. ``False``: the
             draft's argmax, as for greedy requests. Off by itself where this
             vLLM cannot take draft probabilities from a custom proposer.
         draft_seeded: Draft for sampled requests that carry a seed
@@ -498,7 +498,7 @@ def target_cores(environ: dict[str, str] | None = None) -> list[int] | None:
     by ``|`` (all ranks' cores count as taken). ``None`` when neither names
     cores (``auto`` outside the worker, ``nobind``, or unset; GPU vLLM).
     """
-    from .lending import bind_order
+    from duo_vllm.host.lending import bind_order
 
     environ = os.environ if environ is None else environ
     bind = environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
@@ -521,7 +521,7 @@ def target_cores(environ: dict[str, str] | None = None) -> list[int] | None:
 
 def default_draft_cores(available: list[int], taken: list[int] | None) -> tuple[list[int], bool]:
     """Cores for the draft: those of ``available`` not in ``taken`` (the rule before
-    :func:`duo_vllm.host.choose_draft_cores`, which also bounds their number and
+    :func:`duo_vllm.host.cores.choose_draft_cores`, which also bounds their number and
     avoids the target's hyperthreads; kept for its callers).
 
     Returns ``(cores, shared)``; ``shared`` is True when vLLM leaves no core
@@ -600,7 +600,7 @@ def resolve_draft_cores(cfg: DuoConfig, available: list[int] | None = None,
         host = read_host(available)
     choice = choose_cores(cfg, available, environ, host or HostFacts(Topology({}, {}), None, None))
     threads, _ = draft_threads(cfg.n_threads, len(choice.cores))
-    from .logs import vllm_logger
+    from duo_vllm.logs import vllm_logger
 
     vllm_logger("duo_vllm.config").info("DuoProposer: draft cores %s, %d llama.cpp thread(s): %s",
                                         choice.cores, threads, choice.reason)

@@ -85,7 +85,7 @@ def prepare_draft(gguf: str, quant: str = "auto", root: Path | None = None,
     source's sha256 and the type; writes go through a temporary file, so
     concurrent or interrupted runs never see half a model.
     """
-    from .backends.llama_cpp import gguf_file_type, requantize
+    from duo_vllm.draft.backend import gguf_file_type, requantize
 
     file_type = gguf_file_type(gguf)
     want = draft_quant_target(file_type, quant)

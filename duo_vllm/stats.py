@@ -56,7 +56,7 @@ class DraftStats:
     # hedges: branches rooted before a served model token, on the draft's runner-up there
     hedges: int = 0
     hedge_hits: int = 0  # hits on a hedge (the target turned the token down for it)
-    # the prompt cache (duo_vllm/prompt_cache.py): slots restored from it, the prefill
+    # the prompt cache (duo_vllm/draft/prompt_cache.py): slots restored from it, the prefill
     # tokens that spared, and restores that failed (the slot started empty)
     cache_hits: int = 0
     cache_tokens: int = 0

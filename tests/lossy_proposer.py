@@ -6,8 +6,8 @@ rejection sampler's per-token temperatures are all set to 0.5, so drafts are
 judged against a sharper distribution than the one the target samples from.
 """
 
-from duo_vllm.proposer import DuoProposer
-from duo_vllm.vllm_patches import expand_kernel_impl, route_expand_kernel
+from duo_vllm.vllm.proposer import DuoProposer
+from duo_vllm.vllm.patches import expand_kernel_impl, route_expand_kernel
 
 SABOTAGED_TEMPERATURE = 0.5
 

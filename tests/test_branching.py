@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from duo_vllm.branching import (
+from duo_vllm.draft.branching import (
     Branch, Tree, branch_candidates, miss_reason, runner_up, select_branch, split_budget,
     top_candidates,
 )

@@ -1,11 +1,11 @@
-"""The actor's Unix socket for the step's calls (duo_vllm/channel.py), without Ray."""
+"""The actor's Unix socket for the step's calls (duo_vllm/runtime/channel.py), without Ray."""
 
 import threading
 import time
 
 import pytest
 
-from duo_vllm.channel import Channel, ChannelServer, RemoteError
+from duo_vllm.runtime.channel import Channel, ChannelServer, RemoteError
 
 
 class Target:

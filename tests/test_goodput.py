@@ -2,7 +2,7 @@
 
 import pytest
 
-from duo_vllm.goodput import (
+from duo_vllm.control.goodput import (
     Acceptance, DraftTimeModel, StepTimeModel, TargetCost, catch_up_pays, expected_accepted,
     hedge_probs, plan_predraft,
     plan_served, plan_sync, predraft_roots, predraft_time, regime, token_alphas,

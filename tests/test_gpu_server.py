@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from duo_vllm.actor import NO_GPU_ENV, actor_options
+from duo_vllm.runtime.actor import NO_GPU_ENV, actor_options
 from duo_vllm.config import DuoConfig, DuoConfigError
 
 
@@ -65,7 +65,7 @@ class FakeLlamaCpp:
 
 @pytest.mark.parametrize("layers, want", [(0, 0), (5, 5), (-1, 2 ** 31 - 1)])
 def test_the_draft_is_not_offloaded_unless_asked(monkeypatch, tmp_path, layers, want):
-    import duo_vllm.backends.llama_cpp as backend_mod
+    import duo_vllm.draft.backend as backend_mod
 
     fake = FakeLlamaCpp()
     monkeypatch.setitem(sys.modules, "llama_cpp", fake)
@@ -115,7 +115,7 @@ def test_ranks_whose_drafts_vllm_drops_never_touch_ray(monkeypatch, tp_rank, las
     pytest.importorskip("vllm")
     import numpy as np
 
-    from duo_vllm import proposer as proposer_mod
+    from duo_vllm.vllm import proposer as proposer_mod
 
     fake_groups(monkeypatch, tp_rank, last_pp)
 
@@ -131,7 +131,7 @@ def test_ranks_whose_drafts_vllm_drops_never_touch_ray(monkeypatch, tp_rank, las
 
 def test_the_output_rank_drafts_and_each_data_parallel_replica_has_its_own_actor(monkeypatch):
     pytest.importorskip("vllm")
-    from duo_vllm.proposer import parallel_role
+    from duo_vllm.vllm.proposer import parallel_role
 
     fake_groups(monkeypatch, 0)
     assert parallel_role(spec_config()) == (True, 0)
@@ -142,7 +142,7 @@ def test_the_output_rank_drafts_and_each_data_parallel_replica_has_its_own_actor
 
 def test_a_data_parallel_replica_names_its_actor(monkeypatch):
     pytest.importorskip("vllm")
-    from duo_vllm import proposer as proposer_mod
+    from duo_vllm.vllm import proposer as proposer_mod
 
     fake_groups(monkeypatch, 0)
     seen = {}

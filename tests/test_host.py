@@ -5,9 +5,9 @@ import logging
 
 import pytest
 
-from duo_vllm.actor import node_draft_cores
+from duo_vllm.runtime.actor import node_draft_cores
 from duo_vllm.config import DuoConfig, HostFacts, choose_cores, resolve_draft_cores
-from duo_vllm.host import (
+from duo_vllm.host.cores import (
     MAX_DRAFT_THREADS, cgroup_cpu_limit, choose_draft_cores, draft_threads, parse_cpu_max,
     read_topology,
 )
@@ -176,7 +176,7 @@ def test_choose_draft_cores_without_topology_treats_each_cpu_as_a_core():
 
 _PIN_CHILD = """
 import os, sys, threading
-from duo_vllm.actor import pin_process
+from duo_vllm.runtime.actor import pin_process
 ready, stop = threading.Event(), threading.Event()
 tid = []
 def early():  # a thread started before the pin, as Ray's are in an actor's process

@@ -1,4 +1,4 @@
-"""Lending the draft's cores to a CPU target (duo_vllm/lending.py): pure decisions, and
+"""Lending the draft's cores to a CPU target (duo_vllm/host/lending.py): pure decisions, and
 the proposer switching the target's threads with the gate. No vLLM, no model."""
 
 from types import SimpleNamespace
@@ -11,10 +11,10 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from duo_vllm.lending import (ONEDNN_CACHE, MatmulPrimitives, TargetThreads, bias_variants,
+from duo_vllm.host.lending import (ONEDNN_CACHE, MatmulPrimitives, TargetThreads, bias_variants,
                               bind_order, lend_plan, lend_prefill, onednn_keys, onednn_linears,
                               remake_pays)
-from duo_vllm.proposer import REMAKE_WEIGHT
+from duo_vllm.vllm.proposer import REMAKE_WEIGHT
 from tests.test_proposer_steps import FakeWorker, bare, clock, inputs  # noqa: F401
 
 
@@ -312,7 +312,7 @@ def test_copies_on_a_lent_step_are_priced_on_what_a_lent_step_costs(clock, lent_
     """A verified token that is nearly free on drafting steps (the target on its own
     core) can cost a lent step much more: at batch 16 one cost a lent step about twice
     what drafting steps at batch 1 extrapolated to, and copies that lost were served."""
-    from duo_vllm.lookup import ContextLookup
+    from duo_vllm.sources.lookup import ContextLookup
 
     w = FakeWorker()
     p, _ = lending(w)
@@ -361,7 +361,7 @@ class IdleWorker(FakeWorker):
         return len(prompts)
 
     def propose(self, *args, **kwargs):
-        from duo_vllm.delta import Drafts
+        from duo_vllm.runtime.delta import Drafts
 
         out = super().propose(*args, **kwargs)
         return Drafts(out, idle=True) if self.idle else out

@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from duo_vllm.lookup import (LOOKUP, LOOKUP_PRIOR, MATCH_CLASSES, MODEL, ContextLookup,
+from duo_vllm.sources.lookup import (LOOKUP, LOOKUP_PRIOR, MATCH_CLASSES, MODEL, ContextLookup,
                              MatchAcceptance, choose, combine,
                              find_continuation, find_match, match_class,
                              paying_length, score)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from benchmarks.profile_draft import greedy_picks
-from duo_vllm.backends.llama_cpp import gguf_file_type
+from duo_vllm.draft.backend import gguf_file_type
 from duo_vllm.models import default_draft_gguf, draft_quant_target, prepare_draft
 
 

@@ -1,4 +1,4 @@
-"""duo_vllm.pinning: the target's cores stay the target's (real processes, no vLLM)."""
+"""duo_vllm.host.pinning: the target's cores stay the target's (real processes, no vLLM)."""
 
 import os
 import subprocess
@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from duo_vllm.pinning import EngineCorePlace, descendants, off_target, pin_tree, process_name
+from duo_vllm.host.pinning import EngineCorePlace, descendants, off_target, pin_tree, process_name
 
 CPUS = sorted(os.sched_getaffinity(0))
 needs_two = pytest.mark.skipif(len(CPUS) < 2, reason="needs 2 CPUs")
@@ -47,7 +47,7 @@ def test_pin_tree_moves_a_process_its_threads_and_its_children():
 
 @needs_two
 def test_move_engine_core_pins_only_a_parent_named_as_vllms_engine_core():
-    child = ("from duo_vllm.pinning import move_engine_core; "
+    child = ("from duo_vllm.host.pinning import move_engine_core; "
              f"print(move_engine_core([{CPUS[-1]}]))")
     script = textwrap.dedent(f"""
         import os, subprocess, sys

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from duo_vllm.drafter import DraftPolicy, DuoDrafter
-from duo_vllm.prompt_cache import MIN_RESTORE, PromptCache, restore_pays
-from duo_vllm.state import SlotPool
+from duo_vllm.draft.drafter import DraftPolicy, DuoDrafter
+from duo_vllm.draft.prompt_cache import MIN_RESTORE, PromptCache, restore_pays
+from duo_vllm.draft.slots import SlotPool
 from tests.fakes import FakeBackend
 
 
@@ -150,7 +150,7 @@ def test_the_default_draft_restores_a_sequence_exactly(tmp_path):
     """llama.cpp's own save and restore of one sequence (LlamaCppBackend.save/restore):
     restored into another sequence of the unified cache, beside others, the next
     token's logits are those of the sequence evaluated there."""
-    from duo_vllm.backends.llama_cpp import LlamaCppBackend
+    from duo_vllm.draft.backend import LlamaCppBackend
     from duo_vllm.models import default_draft_gguf, prepare_draft
 
     be = LlamaCppBackend(prepare_draft(default_draft_gguf(), "auto", root=tmp_path),

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from duo_vllm.models import ModelNotFoundError
-from duo_vllm.proposer import DuoProposer
-from duo_vllm.vocab import VocabMismatchError
+from duo_vllm.vllm.proposer import DuoProposer
+from duo_vllm.vllm.vocab import VocabMismatchError
 
 
 def vllm_config(target, k=4, duo=None, max_model_len=2048):
@@ -85,7 +85,7 @@ def test_lookup_only_starts_no_draft_side_and_serves_the_contexts_copies(
         target_dir, monkeypatch, caplog):
     """lookup_only: no draft model, no actor, no prefetch; the drafts are copies from the
     context, scored as ever, and the periodic stats line comes without a draft side."""
-    import duo_vllm.proposer as proposer_mod
+    import duo_vllm.vllm.proposer as proposer_mod
 
     def no_draft_side(*_, **__):
         raise AssertionError("lookup_only started a draft side")

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from duo_vllm import proposer as proposer_mod
+from duo_vllm.vllm import proposer as proposer_mod
 from duo_vllm.config import DuoConfig
-from duo_vllm.delta import Delta, DeltaReceiver
-from duo_vllm.proposer import DuoProposer, valid_prefix
+from duo_vllm.runtime.delta import Delta, DeltaReceiver
+from duo_vllm.vllm.proposer import DuoProposer, valid_prefix
 
 
 class FakeWorker:
@@ -224,7 +224,7 @@ def test_without_the_gate_or_with_a_fixed_budget_every_step_drafts(clock):
 
 
 def test_lookup_drafts_are_served_when_the_draft_model_is_off_and_scored_per_source(clock):
-    from duo_vllm.lookup import LOOKUP, MODEL, ContextLookup
+    from duo_vllm.sources.lookup import LOOKUP, MODEL, ContextLookup
 
     w = FakeWorker()
     p = bare(w, k=2)
@@ -250,7 +250,7 @@ def test_lookup_drafts_are_served_when_the_draft_model_is_off_and_scored_per_sou
 
 
 def test_lookup_and_model_drafts_are_combined_by_agreement(clock):
-    from duo_vllm.lookup import ContextLookup, choose
+    from duo_vllm.sources.lookup import ContextLookup, choose
 
     w = FakeWorker(drafts=[[7, 8]])  # the model agrees with the lookup's start
     p = bare(w, k=2)
@@ -273,7 +273,7 @@ def test_lookup_and_model_drafts_are_combined_by_agreement(clock):
 
 
 def test_lookup_tokens_that_do_not_pay_are_not_served(clock):
-    from duo_vllm.lookup import LOOKUP, ContextLookup
+    from duo_vllm.sources.lookup import LOOKUP, ContextLookup
 
     w = FakeWorker()
     p = bare(w, k=2)
@@ -293,7 +293,7 @@ def test_lookup_tokens_that_do_not_pay_are_not_served(clock):
 def test_a_weak_match_that_does_not_pay_leaves_a_long_one_served(clock):
     """Lookup acceptance is kept per match length: short matches that were never
     accepted are no longer served, while a long match of the same request is."""
-    from duo_vllm.lookup import LOOKUP, ContextLookup
+    from duo_vllm.sources.lookup import LOOKUP, ContextLookup
 
     w = FakeWorker()
     p = bare(w, k=2)
@@ -382,7 +382,7 @@ def test_held_drafting_is_plain_decoding_with_an_idle_draft_side_and_resumes(clo
 
 
 def test_with_the_model_off_a_second_gate_picks_lookups_or_plain_decoding(clock):
-    from duo_vllm.lookup import ContextLookup
+    from duo_vllm.sources.lookup import ContextLookup
 
     w = FakeWorker()
     p = bare(w, k=2)
@@ -419,7 +419,7 @@ def test_with_the_model_off_a_second_gate_picks_lookups_or_plain_decoding(clock)
 
 
 def test_the_lookup_gate_is_only_asked_while_the_draft_model_is_off(clock):
-    from duo_vllm.lookup import ContextLookup
+    from duo_vllm.sources.lookup import ContextLookup
 
     p = bare(FakeWorker(drafts=[[1]]), k=2)
     p.lookup = ContextLookup(min_n=2, max_n=4)
@@ -438,7 +438,7 @@ def test_the_lookup_gate_is_only_asked_while_the_draft_model_is_off(clock):
 def test_while_the_model_gate_tries_plain_decoding_the_lookup_gate_holds_its_mode(clock):
     """The model gate's trial of "off" measures "off" as it stands: no lookup-gate trial
     may start inside it, and its steps are no lookup-gate samples."""
-    from duo_vllm.lookup import ContextLookup
+    from duo_vllm.sources.lookup import ContextLookup
 
     p = bare(FakeWorker(), k=2)
     p.lookup = ContextLookup(min_n=2, max_n=4)
@@ -459,7 +459,7 @@ def test_while_the_model_gate_tries_plain_decoding_the_lookup_gate_holds_its_mod
 
 
 def test_drawn_drafts_go_to_vllm_with_their_q_and_other_drafts_one_hot(clock):
-    from duo_vllm.delta import Drafts
+    from duo_vllm.runtime.delta import Drafts
 
     q = [(np.array([3, 9], dtype=np.int32), np.array([0.6, 0.4], dtype=np.float32))] * 2
     w = FakeWorker(drafts=Drafts([[1, 2], [], [3, 3]], q=[None, None, q]))
@@ -545,11 +545,11 @@ def test_seeded_sampled_requests_decode_without_drafts(clock):
 
 def test_at_batch_1_greedy_the_gate_learns_what_lookups_alone_did_on_drafted_tokens(clock):
     """Drafting steps of one greedy request: the gate is told, per counted step, what
-    lookups alone would have done on the tokens it produced (duo_vllm/shadow.py), timed
+    lookups alone would have done on the tokens it produced (duo_vllm/control/shadow.py), timed
     at the lent step's measured cost; with the draft model off, the shadow runs beside
     the measured lookups instead (``shadow_check``)."""
-    from duo_vllm.lookup import ContextLookup
-    from duo_vllm.shadow import ShadowLookups
+    from duo_vllm.sources.lookup import ContextLookup
+    from duo_vllm.control.shadow import ShadowLookups
 
     p = bare(FakeWorker(drafts=[[]]), k=2)
     p.k_lookup = 4
@@ -589,8 +589,8 @@ def test_at_batch_1_greedy_the_gate_learns_what_lookups_alone_did_on_drafted_tok
 def test_no_shadow_where_the_mode_changes_the_output_or_no_request_is_named(clock):
     """Sampled steps (the tokens depend on the mode) and batches of several requests (the
     gate pairs nothing there) are never replayed: their gate runs its trials as before."""
-    from duo_vllm.lookup import ContextLookup
-    from duo_vllm.shadow import ShadowLookups
+    from duo_vllm.sources.lookup import ContextLookup
+    from duo_vllm.control.shadow import ShadowLookups
 
     for temps, req_ids in ((np.full(1, 0.7, dtype=np.float32), ["a"]),
                            (np.zeros(2, dtype=np.float32), ["a", "b"])):

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from duo_vllm.delta import Drafts
-from duo_vllm.drafter import DraftPolicy, DuoDrafter
-from duo_vllm.lookup import MODEL, Hint, serve
-from duo_vllm.sampling import dense_q, draft_q, q_entries, sample_q
+from duo_vllm.runtime.delta import Drafts
+from duo_vllm.draft.drafter import DraftPolicy, DuoDrafter
+from duo_vllm.sources.lookup import MODEL, Hint, serve
+from duo_vllm.draft.sampling import dense_q, draft_q, q_entries, sample_q
 from tests.fakes import FakeBackend
 
 P_MIN = 1e-3
@@ -174,7 +174,7 @@ def test_a_pre_drafted_branch_of_a_sampled_request_is_served_with_its_q():
 
 
 def test_the_worker_returns_q_with_the_drafts():
-    from duo_vllm.actor import DraftWorker
+    from duo_vllm.runtime.actor import DraftWorker
 
     w = DraftWorker({"use_actor": False, "parallel": False, "budget": 2}, "fake.gguf", None,
                     k=2, backend_factory=lambda _: spread_backend())

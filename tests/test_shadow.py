@@ -1,10 +1,10 @@
-"""Lookups alone replayed on tokens drafting produced (duo_vllm/shadow.py), on hand-built
+"""Lookups alone replayed on tokens drafting produced (duo_vllm/control/shadow.py), on hand-built
 contexts."""
 
 import numpy as np
 import pytest
 
-from duo_vllm.shadow import ShadowLookups, lookup_walk, walk_rate
+from duo_vllm.control.shadow import ShadowLookups, lookup_walk, walk_rate
 
 
 def test_the_walk_accepts_what_matches_and_adds_the_targets_own_token():

@@ -1,6 +1,6 @@
 import numpy as np
 
-from duo_vllm.state import SlotPool, common_prefix_len
+from duo_vllm.draft.slots import SlotPool, common_prefix_len
 
 
 def a(*xs):

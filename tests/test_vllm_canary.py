@@ -1,6 +1,6 @@
 """Canaries: the private vLLM APIs duo_vllm relies on, read from the installed vLLM.
 
-Each test names one thing DuoProposer or duo_vllm.vllm_patches reads or
+Each test names one thing DuoProposer or duo_vllm.vllm.patches reads or
 wraps, and checks it in the installed vLLM's classes and source (inspect,
 ast, small objects; no engine, no model). After a vLLM upgrade a failure
 here says which assumption broke, where otherwise the plugin would quietly
@@ -21,8 +21,8 @@ import pytest
 pytest.importorskip("vllm")
 gmr = pytest.importorskip("vllm.v1.worker.gpu_model_runner")
 
-from duo_vllm import vllm_patches  # noqa: E402
-from duo_vllm.proposer import DuoProposer  # noqa: E402
+from duo_vllm.vllm import patches as vllm_patches  # noqa: E402
+from duo_vllm.vllm.proposer import DuoProposer  # noqa: E402
 
 
 def _source_tree(obj):
@@ -54,7 +54,7 @@ def test_installed_vllm_is_a_supported_version():
     import vllm
 
     assert vllm_patches.vllm_release(vllm.__version__) in vllm_patches.SUPPORTED_VLLM, (
-        f"vLLM {vllm.__version__} is not in duo_vllm.vllm_patches.SUPPORTED_VLLM: check "
+        f"vLLM {vllm.__version__} is not in duo_vllm.vllm.patches.SUPPORTED_VLLM: check "
         "every canary here, then add it there and to setup.py's 'gpu' extra")
 
 
@@ -341,9 +341,9 @@ def test_the_plugin_entry_point_is_installed_and_wraps_the_engine_cores_executor
 
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
-    from duo_vllm.plugin import register
+    from duo_vllm.vllm.plugin import register
 
-    assert "duo_vllm.plugin:register" in {e.value for e in
+    assert "duo_vllm.vllm.plugin:register" in {e.value for e in
                                           entry_points(group="vllm.general_plugins")}
     register()
     assert getattr(MultiprocExecutor.take_draft_token_ids, "_duo_drafts_out", False)

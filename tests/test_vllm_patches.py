@@ -1,9 +1,9 @@
-"""The vLLM fixes in duo_vllm.vllm_patches: the bug exists, and the fix is right."""
+"""The vLLM fixes in duo_vllm.vllm.patches: the bug exists, and the fix is right."""
 
 import pytest
 import torch
 
-from duo_vllm.vllm_patches import expand_kernel_impl
+from duo_vllm.vllm.patches import expand_kernel_impl
 
 
 def expand_case(dtype):
@@ -37,7 +37,7 @@ def test_vllm_cpu_expand_drops_its_output_and_the_fix_is_installed():
     if not current_platform.is_cpu():
         pytest.skip("the override only exists on vLLM's CPU platform")
     current_platform.register_triton_kernel_overrides()
-    from duo_vllm.vllm_patches import fix_cpu_expand_kernel
+    from duo_vllm.vllm.patches import fix_cpu_expand_kernel
     from vllm.v1.sample import rejection_sampler as rs
 
     assert fix_cpu_expand_kernel()
@@ -52,7 +52,7 @@ def test_expand_fix_applies_on_the_cpu_platform_only(monkeypatch):
     from vllm.platforms import current_platform
     from vllm.triton_utils import dispatcher
 
-    from duo_vllm.vllm_patches import EXPAND_KERNEL, fix_cpu_expand_kernel
+    from duo_vllm.vllm.patches import EXPAND_KERNEL, fix_cpu_expand_kernel
 
     entry = dispatcher._registry.get(EXPAND_KERNEL) or (None, None)
     # the broken CPU override in place, on a platform that says it is not the CPU (a GPU)
@@ -66,7 +66,7 @@ def test_expand_fix_applies_on_the_cpu_platform_only(monkeypatch):
 def test_new_request_hook_tells_the_drafter_before_the_step_and_never_breaks_it(caplog):
     from types import SimpleNamespace
 
-    from duo_vllm.vllm_patches import with_new_request_hook
+    from duo_vllm.vllm.patches import with_new_request_hook
 
     calls = []
 
@@ -118,7 +118,7 @@ def test_new_request_hook_tells_the_drafter_before_the_step_and_never_breaks_it(
 
 def test_new_request_hook_installs_on_vllms_model_runner():
     gmr = pytest.importorskip("vllm.v1.worker.gpu_model_runner")
-    from duo_vllm.vllm_patches import NEW_REQUEST_HOOK, install_new_request_hook
+    from duo_vllm.vllm.patches import NEW_REQUEST_HOOK, install_new_request_hook
 
     assert install_new_request_hook() and install_new_request_hook()
     wrapped = gmr.GPUModelRunner._update_states
@@ -139,7 +139,7 @@ class WrappedRunner:
 def test_new_request_hook_finds_a_proposer_that_vllm_wraps():
     from types import SimpleNamespace
 
-    from duo_vllm.vllm_patches import with_new_request_hook
+    from duo_vllm.vllm.patches import with_new_request_hook
 
     seen = []
 
@@ -165,7 +165,7 @@ def test_new_request_hook_finds_a_proposer_that_vllm_wraps():
 def test_new_request_hook_says_when_it_finds_no_proposer(caplog):
     from types import SimpleNamespace
 
-    from duo_vllm.vllm_patches import with_new_request_hook
+    from duo_vllm.vllm.patches import with_new_request_hook
 
     class Runner(WrappedRunner):
         _update_states = with_new_request_hook(WrappedRunner._update_states)
@@ -187,7 +187,7 @@ def test_new_request_hook_says_when_it_finds_no_proposer(caplog):
 
 def test_new_request_hook_reports_a_runner_that_bypasses_it(caplog):
     gmr = pytest.importorskip("vllm.v1.worker.gpu_model_runner")
-    from duo_vllm.vllm_patches import install_new_request_hook
+    from duo_vllm.vllm.patches import install_new_request_hook
 
     class BypassingModelRunner(gmr.GPUModelRunner):
         def __init__(self):  # vLLM builds the proposer here; the proposer installs the hook
@@ -210,7 +210,7 @@ def test_model_runner_check_accepts_v1_and_names_the_fix_for_v2():
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
 
-    from duo_vllm.vllm_patches import UnsupportedVllmError, check_model_runner
+    from duo_vllm.vllm.patches import UnsupportedVllmError, check_model_runner
 
     check_model_runner(object.__new__(gmr.GPUModelRunner), use_v2=False)
     check_model_runner(object.__new__(CPUModelRunner))
@@ -229,7 +229,7 @@ def test_model_runner_check_accepts_v1_and_names_the_fix_for_v2():
 
 def test_model_runner_check_fails_when_v1_is_gone(monkeypatch):
     gmr = pytest.importorskip("vllm.v1.worker.gpu_model_runner")
-    from duo_vllm.vllm_patches import UnsupportedVllmError, check_model_runner
+    from duo_vllm.vllm.patches import UnsupportedVllmError, check_model_runner
 
     monkeypatch.delattr(gmr.GPUModelRunner, "_update_states")
     with pytest.raises(UnsupportedVllmError, match="_update_states"):
@@ -241,7 +241,7 @@ def test_start_up_check_finds_the_runner_that_builds_the_proposer(monkeypatch):
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
 
-    from duo_vllm.vllm_patches import UnsupportedVllmError, check_vllm
+    from duo_vllm.vllm.patches import UnsupportedVllmError, check_vllm
 
     VllmConfig = type("VllmConfig", (), {"__module__": "vllm.config.vllm",
                                          "use_v2_model_runner": False})
@@ -263,7 +263,7 @@ def test_start_up_check_finds_the_runner_that_builds_the_proposer(monkeypatch):
 
 
 def test_unknown_vllm_versions_warn(caplog):
-    from duo_vllm.vllm_patches import check_vllm_version, vllm_release
+    from duo_vllm.vllm.patches import check_vllm_version, vllm_release
 
     assert vllm_release("0.32.0+cpu") == (0, 32) and vllm_release("v0.33.1rc1") == (0, 33)
     assert check_vllm_version("0.32.0") and check_vllm_version("0.33.2")
@@ -278,7 +278,7 @@ def test_draft_probs_hook_hands_the_custom_proposers_q_to_vllm_and_drops_a_wrong
 
     import torch
 
-    from duo_vllm.vllm_patches import with_draft_probs, with_draft_probs_check
+    from duo_vllm.vllm.patches import with_draft_probs, with_draft_probs_check
 
     class Drafter:
         def __init__(self, probs):
@@ -334,7 +334,7 @@ def test_draft_probs_hook_hands_the_custom_proposers_q_to_vllm_and_drops_a_wrong
 
 def test_draft_probs_hook_installs_on_vllms_model_runner():
     gmr = pytest.importorskip("vllm.v1.worker.gpu_model_runner")
-    from duo_vllm.vllm_patches import DRAFT_PROBS_HOOK, install_draft_probs_hook
+    from duo_vllm.vllm.patches import DRAFT_PROBS_HOOK, install_draft_probs_hook
 
     assert install_draft_probs_hook() and install_draft_probs_hook()
     for name in ("propose_draft_token_ids", "_sample"):
@@ -367,7 +367,7 @@ def test_draft_free_is_a_step_with_nothing_to_verify():
 
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-    from duo_vllm.vllm_patches import draft_free
+    from duo_vllm.vllm.patches import draft_free
 
     none = SpecDecodeMetadata.make_dummy([[], [], []], torch.device("cpu"))
     some = SpecDecodeMetadata.make_dummy([[], [7, 8], []], torch.device("cpu"))
@@ -389,7 +389,7 @@ def test_a_step_without_drafts_is_sampled_as_plain_decoding():
 
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-    from duo_vllm.vllm_patches import with_draft_free_sampling
+    from duo_vllm.vllm.patches import with_draft_free_sampling
 
     seen = []
 
@@ -421,7 +421,7 @@ def test_vllms_samplers_agree_on_a_step_without_drafts(temps):
     from vllm.v1.sample.sampler import Sampler
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-    from duo_vllm.vllm_patches import fix_cpu_expand_kernel
+    from duo_vllm.vllm.patches import fix_cpu_expand_kernel
 
     fix_cpu_expand_kernel()
     torch.manual_seed(0)
@@ -441,7 +441,7 @@ def test_vllms_samplers_agree_on_a_step_without_drafts(temps):
 
 def test_draft_free_sampling_installs_on_vllms_model_runner():
     gmr = pytest.importorskip("vllm.v1.worker.gpu_model_runner")
-    from duo_vllm.vllm_patches import DRAFT_FREE_HOOK, install_draft_free_sampling
+    from duo_vllm.vllm.patches import DRAFT_FREE_HOOK, install_draft_free_sampling
 
     assert install_draft_free_sampling() and install_draft_free_sampling()  # idempotent
     assert getattr(gmr.GPUModelRunner._sample, DRAFT_FREE_HOOK)
@@ -465,7 +465,7 @@ def _spec_metadata(drafts):
 
 
 def _unwrapped(fn):
-    from duo_vllm.vllm_patches import LOGPROB_FREE_HOOK
+    from duo_vllm.vllm.patches import LOGPROB_FREE_HOOK
 
     while getattr(fn, LOGPROB_FREE_HOOK, False):
         fn = fn.__wrapped__
@@ -478,7 +478,7 @@ def _cpu_rejection_kernels():
     from vllm.platforms.cpu import CpuPlatform
     from vllm.triton_utils import dispatcher
 
-    from duo_vllm.vllm_patches import fix_cpu_expand_kernel
+    from duo_vllm.vllm.patches import fix_cpu_expand_kernel
 
     if "vllm.v1.sample.rejection_sampler.rejection_greedy_sample_kernel" not in \
             dispatcher._registry:
@@ -495,7 +495,7 @@ def test_verifying_without_logprobs_keeps_no_copies_and_the_same_tokens(temps, m
     from vllm.v1.sample.sampler import Sampler
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-    from duo_vllm.vllm_patches import with_bonus_without_logprobs, with_logprob_free_verify
+    from duo_vllm.vllm.patches import with_bonus_without_logprobs, with_logprob_free_verify
 
     _cpu_rejection_kernels()
     torch.manual_seed(0)
@@ -544,7 +544,7 @@ def test_verifying_with_logprobs_asked_keeps_vllms_path():
     from vllm.v1.sample.sampler import Sampler
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-    from duo_vllm.vllm_patches import with_logprob_free_verify
+    from duo_vllm.vllm.patches import with_logprob_free_verify
 
     _cpu_rejection_kernels()
     meta = _spec_metadata([[3], [5, 6]])
@@ -569,7 +569,7 @@ def test_logprob_free_verify_installs_on_vllms_samplers():
     rs = pytest.importorskip("vllm.v1.sample.rejection_sampler")
     from vllm.v1.sample.sampler import Sampler
 
-    from duo_vllm.vllm_patches import LOGPROB_FREE_HOOK, install_logprob_free_verify
+    from duo_vllm.vllm.patches import LOGPROB_FREE_HOOK, install_logprob_free_verify
 
     assert install_logprob_free_verify() and install_logprob_free_verify()  # idempotent
     for wrapped in (rs.RejectionSampler.forward, Sampler.forward):

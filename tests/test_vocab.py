@@ -1,6 +1,6 @@
 import pytest
 
-from duo_vllm.vocab import VocabMismatchError, check_vocab
+from duo_vllm.vllm.vocab import VocabMismatchError, check_vocab
 
 
 def test_equal_vocab_passes():

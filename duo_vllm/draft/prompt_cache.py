@@ -11,7 +11,7 @@ for the same reason (its prompt cache).
 
 Here a slot about to be taken for another request leaves its sequence's state
 (the backend's ``save``) as an :class:`Entry`, keyed by the tokens it held,
-in window coordinates (:mod:`duo_vllm.state`); a context given a fresh slot
+in window coordinates (:mod:`duo_vllm.draft.slots`); a context given a fresh slot
 takes the entry it shares the longest prefix with (:meth:`PromptCache.best`),
 restored into that slot (``restore``), and evaluates only the rest. Entries
 are dropped least recently used first beyond ``max_bytes``. The restored
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .state import common_prefix_len, saves_work, window_match
+from duo_vllm.draft.slots import common_prefix_len, saves_work, window_match
 
 # a restore is a copy of a few MB (23 KB a token for the default draft): worth it for
 # far fewer tokens than a prefill chunk, but not for the chat template alone
@@ -44,7 +44,7 @@ class Entry:
 
     def match(self, ctx: np.ndarray) -> int:
         """Tokens of ``ctx``, as this entry's window holds it, that the entry holds
-        (:func:`~duo_vllm.state.window_match`, as for a slot)."""
+        (:func:`~duo_vllm.draft.slots.window_match`, as for a slot)."""
         return window_match((self.tokens,), self.head, self.offset, ctx)
 
 

@@ -224,7 +224,7 @@ def predraft_roots(n: int, agree: int, alpha: float, alpha_lookup: float | Seque
 def hedge_probs(alpha: float, alts: Sequence[tuple[int, float, float] | None]) -> list[float]:
     """For a greedy request served the model's draft d₁ … d_n, the chance that the
     target's token at each position is the draft's runner-up c_j there (``alts[j]``:
-    :func:`duo_vllm.branching.runner_up`, c_j with q(c_j) and q(d_j); None: unknown):
+    :func:`duo_vllm.draft.branching.runner_up`, c_j with q(c_j) and q(d_j); None: unknown):
 
         P(c_j) = α^j · (1 - α) · min(1, q(c_j) / (1 - q(d_j)))
 

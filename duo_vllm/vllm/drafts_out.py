@@ -13,7 +13,7 @@ Two small wraps close it:
   DuoProposer): ``sample_tokens``'s output carries what ``take_draft_token_ids``
   would answer right after it (nothing runs on the worker between the two);
 - engine-core side (:func:`install_drafts_from_output`, from the
-  ``vllm.general_plugins`` entry point :func:`duo_vllm.plugin.register`, which
+  ``vllm.general_plugins`` entry point :func:`duo_vllm.vllm.plugin.register`, which
   vLLM loads in the engine core): the executor's ``take_draft_token_ids`` answers
   from the step's output when it carried drafts, and calls the worker otherwise.
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 
-from .logs import vllm_logger
+from duo_vllm.logs import vllm_logger
 
 logger = vllm_logger(__name__)
 

@@ -1,6 +1,6 @@
 """Measured, not modelled: is drafting faster than plain decoding at this batch size?
 
-The controller of :mod:`duo_vllm.goodput` plans each step on a model (T, D,
+The controller of :mod:`duo_vllm.control.goodput` plans each step on a model (T, D,
 α); :class:`DraftGate` checks its outcome in realised tokens per second,
 with the draft model on and off, per batch-size bucket.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .goodput import batch_bucket
+from duo_vllm.control.goodput import batch_bucket
 
 
 def drafting_wins(r_on: float | None, r_off: float | None, margin: float,
@@ -143,7 +143,7 @@ class DraftGate(_GateRates):
 
     Where drafting ran at batch 1 greedy, the proposer also tells the gate what
     lookups alone would have done on the same tokens (:meth:`observe_shadow`,
-    :mod:`duo_vllm.shadow`: the output is the same in every mode). Once drafting
+    :mod:`duo_vllm.control.shadow`: the output is the same in every mode). Once drafting
     measured ``shadow_steps`` steps of a request, that is plain decoding's side
     of the verdict on it, in place of plain decoding's trial (due, or the pairing
     of a near lead) and of the rates of other requests: judged once a request,

@@ -7,7 +7,7 @@
   whose probability exceeds θ starts its own branch.
 * :func:`split_budget`: share a token budget among branches.
 * how many tokens to draft at all is the goodput controller's
-  (:mod:`duo_vllm.goodput`).
+  (:mod:`duo_vllm.control.goodput`).
 * :func:`runner_up`: the draft's second choice where it drafted a token (a
   hedge's first token, should the target turn the draft's down).
 * :func:`select_branch`: given the context the target produced, which
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .state import common_prefix_len
+from duo_vllm.draft.slots import common_prefix_len
 
 TOP_K = 8
 
@@ -106,7 +106,7 @@ class Branch:
     tokens: list[int]
     prob: float
     seq_id: int
-    # each draft token's q (duo_vllm/sampling.py), aligned with tokens[1:]; None where
+    # each draft token's q (duo_vllm/draft/sampling.py), aligned with tokens[1:]; None where
     # it was the argmax (greedy)
     q: list = field(default_factory=list)
     root: int | None = None  # the tree prefix's tokens it continues (None: all)

@@ -29,7 +29,7 @@ import re
 from collections import Counter, OrderedDict
 from typing import Callable
 
-from .host import parse_cpu_list
+from duo_vllm.host.cores import parse_cpu_list
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ request because of it. :class:`ActorClient` keeps both promises:
   stays on plain decoding for good and says so.
 
 The step's calls (``propose``, ``prefetch``, ``pause``) take a Unix socket
-when the actor runs on this Ray node (:mod:`duo_vllm.channel`: 0.5-1.6 ms
+when the actor runs on this Ray node (:mod:`duo_vllm.runtime.channel`: 0.5-1.6 ms
 less a step than Ray's call on the dev VM), else Ray.
 
 It does not know what the calls mean; :class:`duo_vllm.DuoProposer` does.
@@ -28,7 +28,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from .channel import Channel, RayCalls, RemoteError
+from duo_vllm.runtime.channel import Channel, RayCalls, RemoteError
 
 START_TIMEOUT_S = 300.0  # loading a large GGUF takes a while; a hang does not
 AUTO_TIMEOUT_FIRST_S = 1.0  # before the first answer and step have been measured
@@ -317,7 +317,7 @@ def _actor_gone(error: Exception) -> bool:
     drafter's code raised?
 
     The first kind is worth a restart (bounded by ``max_restarts``); the second,
-    Ray's ``RayTaskError``, the socket's :class:`~duo_vllm.channel.RemoteError`, or
+    Ray's ``RayTaskError``, the socket's :class:`~duo_vllm.runtime.channel.RemoteError`, or
     any other exception, would fail again.
     """
     from ray.exceptions import RayActorError, RayError, RayTaskError

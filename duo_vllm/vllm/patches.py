@@ -39,7 +39,7 @@ import sys
 
 import torch
 
-from .logs import vllm_logger
+from duo_vllm.logs import vllm_logger
 
 logger = vllm_logger(__name__)
 
@@ -225,7 +225,7 @@ def install_new_request_hook() -> bool:
 # proposers only (their ``take_last_draft_probs``). The hook asks the custom
 # proposer the same, right after its propose(), so sampled requests are
 # verified against the q their drafts were drawn from
-# (:mod:`duo_vllm.sampling`). A q whose vocabulary is not the target logits'
+# (:mod:`duo_vllm.draft.sampling`). A q whose vocabulary is not the target logits'
 # is dropped: without q, vLLM takes each draft as certain, which is exact for
 # any draft.
 

@@ -63,7 +63,7 @@ class Assignment:
     reuse: int  # tokens of slot.tokens that equal the view's prefix
     view: np.ndarray  # the context as the slot holds it (from slot.offset on)
     # a slot taken afresh: the window (head, offset) of what it held till now, which
-    # slot.tokens still are (the drafter may keep them: duo_vllm/prompt_cache.py)
+    # slot.tokens still are (the drafter may keep them: duo_vllm/draft/prompt_cache.py)
     before: tuple[int, int] | None = None
 
 

@@ -7,15 +7,15 @@ and nothing else; each piece does nothing unless a DuoProposer is in use.
 
 from __future__ import annotations
 
-from .logs import vllm_logger
+from duo_vllm.logs import vllm_logger
 
 logger = vllm_logger(__name__)
 
 
 def register() -> None:
-    """The engine core takes the step's drafts from its output (duo_vllm/drafts_out.py)."""
+    """The engine core takes the step's drafts from its output (duo_vllm/vllm/drafts_out.py)."""
     try:
-        from .drafts_out import install_drafts_from_output
+        from duo_vllm.vllm.drafts_out import install_drafts_from_output
 
         install_drafts_from_output()
     except Exception as e:  # another vLLM: its own call to the worker stays, only slower

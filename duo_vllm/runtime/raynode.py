@@ -8,8 +8,8 @@ import logging
 import os
 from contextlib import contextmanager
 
-from .config import DuoConfig, DuoConfigError, allowed_cpus
-from .pinning import pin_ray_daemons
+from duo_vllm.config import DuoConfig, DuoConfigError, allowed_cpus
+from duo_vllm.host.pinning import pin_ray_daemons
 
 
 @contextmanager

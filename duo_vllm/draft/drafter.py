@@ -4,7 +4,7 @@
 pre-drafted during the previous step (a *hit*: no draft compute on the
 critical path) or drafts a chain from the real context while vLLM waits
 (a *miss*); how many tokens each request gets, zero included, is the goodput
-controller's choice (:mod:`duo_vllm.goodput`). It then queues *pre-draft* jobs:
+controller's choice (:mod:`duo_vllm.control.goodput`). It then queues *pre-draft* jobs:
 assume the draft just returned will be fully accepted, and prepare, for the
 token the target samples after it, one branch per likely candidate
 (DuoDecoding's dynamic multi-sequence drafting). ``predraft`` runs those jobs
@@ -14,7 +14,7 @@ has arrived.
 Each branch grows along the draft's top-1 token, or, for a sampled request
 (``sampled_drafts``), along tokens drawn from the draft's own distribution q,
 returned with the draft so the rejection sampler can use it
-(:mod:`duo_vllm.sampling`). vLLM's rejection sampler verifies everything, so
+(:mod:`duo_vllm.draft.sampling`). vLLM's rejection sampler verifies everything, so
 drafts change speed, never output.
 """
 
@@ -27,19 +27,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .branching import (
+from duo_vllm.draft.branching import (
     Branch, Tree, branch_candidates, miss_reason, runner_up, select_branch, split_budget,
     top_candidates,
 )
-from .lookup import Hint, serve as serve_rule
-from .goodput import (
+from duo_vllm.sources.lookup import Hint, serve as serve_rule
+from duo_vllm.control.goodput import (
     PROBE_EVERY, Acceptance, DraftTimeModel, TargetCost, catch_up_pays, expected_accepted,
     hedge_probs, plan_predraft, plan_served, plan_sync, predraft_roots, regime,
 )
-from .sampling import draft_q, sample_q
-from .prompt_cache import PromptCache, restore_pays
-from .state import Assignment, Slot, SlotPool, common_prefix_len, pool_window, window_view
-from .stats import DraftStats, Ema
+from duo_vllm.draft.sampling import draft_q, sample_q
+from duo_vllm.draft.prompt_cache import PromptCache, restore_pays
+from duo_vllm.draft.slots import Assignment, Slot, SlotPool, common_prefix_len, pool_window, window_view
+from duo_vllm.stats import DraftStats, Ema
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class DraftPolicy:
     budget: int | None = None  # None: the goodput controller; N: always N tokens per request
     max_branches: int = 4
     # sampled requests' drafts drawn from the draft's q, which the verifier then reads
-    # (duo_vllm/sampling.py); False: the argmax, as for greedy ones
+    # (duo_vllm/draft/sampling.py); False: the argmax, as for greedy ones
     sampled_drafts: bool = False
     vocab_limit: int | None = None  # drawn tokens stay below it (the target's vocabulary)
 
@@ -104,7 +104,7 @@ class _Row:
 class DuoDrafter:
     """Drafts for batches of contexts on a multi-sequence backend (see backends/).
 
-    It executes the goodput controller's plan (:mod:`duo_vllm.goodput`) and
+    It executes the goodput controller's plan (:mod:`duo_vllm.control.goodput`) and
     owns the draft state; the decisions are the controller's.
     """
 
@@ -239,9 +239,9 @@ class DuoDrafter:
         request's sampling temperature (0: greedy). With ``serve=False``
         nothing is drafted now (vLLM has already gone on without a draft):
         only the pre-draft for these contexts is queued. ``hints`` are the
-        proposer's lookup drafts (:class:`duo_vllm.lookup.Hint`): the drafter
+        proposer's lookup drafts (:class:`duo_vllm.sources.lookup.Hint`): the drafter
         returns its own drafts, and pre-drafts from the end of what the
-        proposer will serve, :func:`duo_vllm.lookup.serve` of its own draft
+        proposer will serve, :func:`duo_vllm.sources.lookup.serve` of its own draft
         and the hint (the same pure function, the same inputs), so a served
         lookup continuation finds its next step's branches ready.
         ``remaining``: the tokens each request may still generate (its
@@ -922,7 +922,7 @@ def _hint(hints: list[Hint | None] | None, row: int) -> Hint | None:
 
 def lookup_fallback(hint: Hint | None) -> tuple[float, int]:
     """(expected accepted tokens, length) of what a row is served from its lookup draft
-    alone, as the proposer's :func:`~duo_vllm.lookup.serve` cuts it."""
+    alone, as the proposer's :func:`~duo_vllm.sources.lookup.serve` cuts it."""
     if hint is None or not hint.tokens:
         return 0.0, 0
     draft, _ = serve_rule([], False, hint)

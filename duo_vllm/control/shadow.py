@@ -5,11 +5,11 @@ At batch 1 greedy the output is the same in every mode, so the tokens a
 drafting step produced are also the tokens the draft model's "off" mode
 (lookup drafts on every core) would have produced. :func:`lookup_walk` replays
 that mode over them: at each position the lookup draft
-(:func:`~duo_vllm.lookup.find_match`), cut as the proposer would serve it,
+(:func:`~duo_vllm.sources.lookup.find_match`), cut as the proposer would serve it,
 accepted as far as it matches the context, plus the target's own token. Timed
 with the measured cost of a lent step, ``T(1, e) = t0 + c·e``, it is the rate
 of plain decoding on the same stretch of the same request: the gate
-(:class:`~duo_vllm.gate.DraftGate`) compares it with drafting's measured rate
+(:class:`~duo_vllm.control.gate.DraftGate`) compares it with drafting's measured rate
 there, where it would otherwise run plain decoding on trial for 33 steps
 (half as fast as drafting on most requests) on a different stretch (one such
 verdict swung a batch-1 run by 16%).
@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .lookup import common_prefix, find_match
+from duo_vllm.sources.lookup import common_prefix, find_match
 
 
 def lookup_walk(context: np.ndarray, start: int, k: int, min_n: int, max_n: int,

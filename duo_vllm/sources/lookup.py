@@ -15,7 +15,7 @@ not, so each request's acceptance per source is measured; a lookup draft's
 also per the length of the match it follows (:class:`MatchAcceptance`). Per request and
 step, :func:`combine` serves one draft: where the two agree, the longer; where
 they differ, the source more likely accepted. Lookup tokens are verified like
-any draft, so they pass the goodput rule of :mod:`duo_vllm.goodput` first.
+any draft, so they pass the goodput rule of :mod:`duo_vllm.control.goodput` first.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .goodput import Acceptance, regime, token_alphas
+from duo_vllm.control.goodput import Acceptance, regime, token_alphas
 
 LOOKUP, MODEL = "lookup", "model"
 # a lookup draft's acceptance is kept per class of the length of the match it follows:
@@ -141,9 +141,9 @@ def paying_length(lead: float, alpha: float | Sequence[float], n: int, threshold
 
     Its t-th token is accepted with probability ``lead`` · α₁ ··· αₜ (``lead``:
     the chance the draft tokens before the tail are all accepted; the α of the
-    copy's tokens ``start`` on, :func:`~duo_vllm.goodput.token_alphas`) and
+    copy's tokens ``start`` on, :func:`~duo_vllm.control.goodput.token_alphas`) and
     pays while that beats ``threshold`` = c · goodput
-    (:func:`duo_vllm.goodput.pays`).
+    (:func:`duo_vllm.control.goodput.pays`).
     """
     t, p = 0, lead
     for a in token_alphas(alpha, n, start):
@@ -174,7 +174,7 @@ def serve(model: list[int], drawn: bool, hint: Hint | None) -> tuple[list[int], 
     """What a row is served: its model draft and lookup draft combined by :func:`choose`.
 
     A model draft ``drawn`` from the draft's q (a sampled request,
-    :mod:`duo_vllm.sampling`) is served as it is whenever it has tokens: the
+    :mod:`duo_vllm.draft.sampling`) is served as it is whenever it has tokens: the
     rejection sampler reads its q, which holds only for the draw itself, not
     for a draw picked or cut by how it agrees with the lookup draft.
     """
@@ -189,7 +189,7 @@ class MatchAcceptance:
     What follows an 8-token match is copied text far more often than what
     follows a 2-token one (the priors' figures), so one α per request would
     serve weak matches too deep and strong ones too short. Each class is an
-    :class:`~duo_vllm.goodput.Acceptance` of its own, with its own prior.
+    :class:`~duo_vllm.control.goodput.Acceptance` of its own, with its own prior.
     """
 
     def __init__(self):

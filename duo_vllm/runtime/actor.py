@@ -14,12 +14,12 @@ import os
 import threading
 import time
 
-from .channel import ChannelServer
-from .config import DuoConfig, DuoConfigError, allowed_cpus, choose_cores, read_host
-from .delta import Delta, DeltaReceiver, Drafts
-from .drafter import DraftPolicy, DuoDrafter
-from .host import draft_threads
-from .pinning import pin_threads
+from duo_vllm.runtime.channel import ChannelServer
+from duo_vllm.config import DuoConfig, DuoConfigError, allowed_cpus, choose_cores, read_host
+from duo_vllm.runtime.delta import Delta, DeltaReceiver, Drafts
+from duo_vllm.draft.drafter import DraftPolicy, DuoDrafter
+from duo_vllm.host.cores import draft_threads
+from duo_vllm.host.pinning import pin_threads
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +74,8 @@ class DraftWorker:
 
         self.draft_file = model_path
         if backend_factory is None:
-            from .backends.llama_cpp import LlamaCppBackend
-            from .models import prepare_draft
+            from duo_vllm.draft.backend import LlamaCppBackend
+            from duo_vllm.models import prepare_draft
 
             self.draft_file = prepare_draft(model_path, config.draft_quant, log=logger.info)
             backend = LlamaCppBackend(self.draft_file, n_ctx=None, n_seq=None,
@@ -142,10 +142,10 @@ class DraftWorker:
                 per_token_s=None, hints=None, remaining=None) -> list[list[int]]:
         """Drafts for one vLLM step (arguments: see :meth:`DuoDrafter.propose`).
 
-        ``contexts`` is a list of full contexts, or a :class:`~duo_vllm.delta.Delta`
+        ``contexts`` is a list of full contexts, or a :class:`~duo_vllm.runtime.delta.Delta`
         of them against the last step's (the worker keeps the contexts): the
         drafts of rows this worker could not decode are empty, and come as
-        :class:`~duo_vllm.delta.Drafts`, whose ``resend`` names them.
+        :class:`~duo_vllm.runtime.delta.Drafts`, whose ``resend`` names them.
 
         A pre-draft still running stops at its next decode boundary. A prefill
         chunk under way is waited for only if it ends within a fraction of a
@@ -341,7 +341,7 @@ class DraftWorker:
 
     def open_channel(self) -> tuple[str, bytes]:
         """A Unix socket for the step's calls from a proposer on this node
-        (:mod:`duo_vllm.channel`): its address and authkey. Its threads start from
+        (:mod:`duo_vllm.runtime.channel`): its address and authkey. Its threads start from
         this one, so they run on the draft's cores."""
         if self._channel is None:
             self._channel = ChannelServer(self)
@@ -364,7 +364,7 @@ class DraftActor(DraftWorker):
 
     def __init__(self, cfg: dict, model_path: str, cores: list[int] | None, k: int,
                  backend_factory=None):
-        from .logs import setup_actor_logging
+        from duo_vllm.logs import setup_actor_logging
 
         setup_actor_logging()
         if not cores:
