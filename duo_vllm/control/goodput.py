@@ -83,6 +83,11 @@ class TargetCost:
     def step(self, extra: float) -> float:
         return self.t0 + self.per_token * extra
 
+    def threshold(self, batch: int) -> float:
+        """c · B / T₀(B): the acceptance a draft token needs to raise plain decoding's
+        goodput B / T₀(B) (:func:`pays`)."""
+        return self.per_token * batch / self.t0
+
 
 def plan_served(alphas: Sequence[float], available: Sequence[int], cost: TargetCost,
                 base_tokens: float | None = None) -> list[int]:
