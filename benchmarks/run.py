@@ -392,6 +392,7 @@ def method_spec(name: str, target: str, draft: str | None = None, k: int = K,
     lookup_k = max(k, lookup_k or k)
     if "duo" in m:
         from duo_vllm.cli import speculative_config
+        from duo_vllm.config import nest_tuning
 
         duo = dict(m["duo"])
         if not duo.get("lookup_only"):
@@ -402,8 +403,9 @@ def method_spec(name: str, target: str, draft: str | None = None, k: int = K,
             duo["draft_model"] = draft
         if duo.get("lookup", True):
             duo["max_draft_len"] = k
-            return speculative_config(lookup_k, duo)
-        return speculative_config(k, duo)
+        if not m.get("base"):  # the base engine's code may read its options flat
+            duo = nest_tuning(duo)
+        return speculative_config(lookup_k if duo.get("lookup", True) else k, duo)
     if m["spec"] == NGRAM:
         return {**NGRAM, "num_speculative_tokens": lookup_k}
     if m["spec"] == "draft_model":

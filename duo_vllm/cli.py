@@ -255,7 +255,8 @@ def build_serve_command(argv: list[str], environ: dict | None = None, default_mo
         args.num_speculative_tokens = SERVE_MODEL_K
         if (duo or {}).get("lookup", True):
             args.num_speculative_tokens = SERVE_K
-            duo = {"max_draft_len": SERVE_MODEL_K, **(duo or {})}
+            duo = duo or {}
+            duo = {**duo, "tuning": {"max_draft_len": SERVE_MODEL_K, **duo.get("tuning", {})}}
     env = dict(os.environ if environ is None else environ)
     if args.target_cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.target_cores

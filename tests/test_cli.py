@@ -25,7 +25,8 @@ def test_default_model_core_split_and_speculative_config(monkeypatch):
     # lookups may fill 8 tokens a step, the draft model drafts at most 4 of them
     assert _spec(cmd) == {
         "model": "duo_vllm.DuoProposer", "num_speculative_tokens": 8,
-        "draft_load_config": {"model_loader_extra_config": {"duo": {"max_draft_len": 4}}}}
+        "draft_load_config": {"model_loader_extra_config": {"duo": {
+            "tuning": {"max_draft_len": 4}}}}}
     cmd, _, _ = _build(["--duo", '{"lookup": false}'])  # no lookups: the model's 4 only
     assert _spec(cmd)["num_speculative_tokens"] == 4
     assert _spec(cmd)["draft_load_config"]["model_loader_extra_config"]["duo"] == {
@@ -41,16 +42,19 @@ def test_default_core_split_follows_the_lending_and_draft_core_options(monkeypat
     def bind(argv, environ=None):
         return _build(argv, environ)[1]["VLLM_CPU_OMP_THREADS_BIND"]
 
-    assert bind(["--duo", '{"lend_cores": false}']) == "0,1,2"  # the draft keeps CPU 3
-    assert bind([], {"DUO_VLLM_CONFIG": '{"lend_cores": false}'}) == "0,1,2"
-    assert bind(["--duo", '{"lend_cores": true}'], {"DUO_VLLM_CONFIG": '{"lend_cores": false}'}) \
+    # the draft keeps CPU 3
+    assert bind(["--duo", '{"tuning": {"lend_cores": false}}']) == "0,1,2"
+    assert bind([], {"DUO_VLLM_CONFIG": '{"tuning": {"lend_cores": false}}'}) == "0,1,2"
+    assert bind(["--duo", '{"tuning": {"lend_cores": true}}'],
+                {"DUO_VLLM_CONFIG": '{"tuning": {"lend_cores": false}}'}) \
         == "0,1,2,3"  # --duo wins over the environment, as in DuoProposer
     assert bind(["--duo", '{"draft_cores": [1]}']) == "0,2,3"
     # lookups only: no draft, so no core is kept from the target
-    assert bind(["--duo", '{"lookup_only": true, "lend_cores": false, "draft_cores": [1]}']) \
+    assert bind(["--duo", '{"lookup": "only", "tuning": {"lend_cores": false}, '
+                          '"draft_cores": [1]}']) \
         == "0,1,2,3"
     with pytest.raises(SystemExit):  # a bad $DUO_VLLM_CONFIG fails before vLLM starts
-        bind([], {"DUO_VLLM_CONFIG": '{"lend_cores": "maybe"}'})
+        bind([], {"DUO_VLLM_CONFIG": '{"tuning": {"lend_cores": "maybe"}}'})
 
 
 def test_gpu_vllm_gets_no_cpu_binding(monkeypatch):
@@ -64,15 +68,15 @@ def test_gpu_vllm_gets_no_cpu_binding(monkeypatch):
 
 def test_model_options_and_unknown_flags_pass_through():
     argv = ["/models/x", "--port", "8123", "-k", "3", "--max-model-len=4096",
-            "--duo", '{"gate": false, "n_ctx": 512}', "--host", "127.0.0.1"]
+            "--duo", '{"tuning": {"gate": false}, "n_ctx": 512}', "--host", "127.0.0.1"]
     cmd, _, _ = _build(argv)
     assert cmd[3:5] == ["--model", "/models/x"]
     assert "--dtype" not in cmd  # only the default target gets float32
     assert cmd[5:-2] == ["--port", "8123", "--max-model-len=4096", "--host", "127.0.0.1"]
     assert _spec(cmd) == {
         "model": "duo_vllm.DuoProposer", "num_speculative_tokens": 3,
-        "draft_load_config": {"model_loader_extra_config": {"duo": {"gate": False,
-                                                                    "n_ctx": 512}}}}
+        "draft_load_config": {"model_loader_extra_config": {"duo": {
+            "tuning": {"gate": False}, "n_ctx": 512}}}}
 
 
 def test_model_flag_and_user_environment_win():

@@ -3,8 +3,8 @@ import json
 import pytest
 
 from duo_vllm.config import (
-    DuoConfig, DuoConfigError, default_draft_cores, parse_cpu_list, resolve_draft_cores,
-    target_cores,
+    TUNING_OPTIONS, USER_OPTIONS, DuoConfig, DuoConfigError, default_draft_cores, nest_tuning,
+    parse_cpu_list, resolve_draft_cores, target_cores,
 )
 
 
@@ -15,26 +15,29 @@ def test_defaults_are_valid():
 
 @pytest.mark.parametrize("bad, words", [
     ({"n_ctx": 0}, "n_ctx"),
-    ({"max_draft_len": -1}, "max_draft_len"),
+    ({"tuning": {"max_draft_len": -1}}, "max_draft_len"),
     ({"draft_cores": []}, "draft_cores"),
     ({"draft_cores": "1"}, "draft_cores"),
     ({"draft_cores": [-2]}, "draft_cores"),
-    ({"use_actor": "yes"}, "use_actor"),
-    ({"lend_cores": 1}, "lend_cores"),
-    ({"propose_timeout_s": 0}, "propose_timeout_s"),
-    ({"propose_timeout_s": "soon"}, "propose_timeout_s"),
-    ({"max_restarts": -1}, "max_restarts"),
+    ({"tuning": {"use_actor": "yes"}}, "use_actor"),
+    ({"tuning": {"lend_cores": 1}}, "lend_cores"),
+    ({"tuning": {"propose_timeout_s": 0}}, "propose_timeout_s"),
+    ({"tuning": {"propose_timeout_s": "soon"}}, "propose_timeout_s"),
+    ({"tuning": {"max_restarts": -1}}, "max_restarts"),
     ({"resources": {"duo_draft": 0}}, "resources"),
     ({"resources": ["duo_draft"]}, "resources"),
     ({"max_sequences": 1.5}, "max_sequences"),
     ({"draft_quant": "q3_k"}, "draft_quant"),
     ({"draft_window": 8}, "draft_window"),
     ({"draft_window": "all"}, "draft_window"),
-    ({"prompt_cache_mb": -1}, "prompt_cache_mb"),
-    ({"prompt_cache_mb": 0.5}, "prompt_cache_mb"),
-    ({"prompt_cache_mb": True}, "prompt_cache_mb"),
-    ({"lookup_only": "yes"}, "lookup_only"),
-    ({"lookup_only": True, "lookup": False}, "lookup_only .*needs lookup: true"),
+    ({"tuning": {"prompt_cache_mb": -1}}, "prompt_cache_mb"),
+    ({"tuning": {"prompt_cache_mb": 0.5}}, "prompt_cache_mb"),
+    ({"tuning": {"prompt_cache_mb": True}}, "prompt_cache_mb"),
+    ({"lookup": "yes"}, "lookup must be true, false or \"only\""),
+    ({"max_batch": 0}, "max_batch"),
+    ({"max_batch": 2.5}, "max_batch"),
+    ({"gate": False}, r"\['gate'\] go under \"tuning\""),
+    ({"tuning": {"draft_cores": [1]}}, r"unknown tuning option\(s\) \['draft_cores'\]"),
 ])
 def test_bad_values_name_the_option(bad, words):
     with pytest.raises(DuoConfigError, match=words):
@@ -42,8 +45,8 @@ def test_bad_values_name_the_option(bad, words):
 
 
 def test_placement_and_fault_options():
-    cfg = DuoConfig.from_dict({"resources": {"duo_draft": 1}, "propose_timeout_s": 0.5,
-                               "max_restarts": 0})
+    cfg = DuoConfig.from_dict({"resources": {"duo_draft": 1},
+                               "tuning": {"propose_timeout_s": 0.5, "max_restarts": 0}})
     assert cfg.resources == {"duo_draft": 1} and cfg.propose_timeout_s == 0.5
     assert DuoConfig().propose_timeout_s == "auto" and DuoConfig().max_restarts == 3
 
@@ -78,8 +81,19 @@ def test_missing_env_file_is_reported():
 
 
 def test_to_dict_roundtrip():
-    cfg = DuoConfig(draft_cores=(1,), n_threads=1)
-    assert DuoConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    for cfg in (DuoConfig(draft_cores=(1,), n_threads=1),
+                DuoConfig(lookup_only=True, max_batch=8, gate=False)):
+        assert DuoConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+def test_user_options_are_few_and_tuning_is_apart():
+    assert len(USER_OPTIONS) <= 12 and not set(USER_OPTIONS) & set(TUNING_OPTIONS)
+    cfg = DuoConfig.from_dict({"lookup": "only", "max_batch": 8, "tuning": {"gate": False}})
+    assert cfg.lookup and cfg.lookup_only and cfg.max_batch == 8 and not cfg.gate
+    assert nest_tuning({"gate": False, "n_ctx": 512, "lookup_only": True}) == {
+        "n_ctx": 512, "lookup": "only", "tuning": {"gate": False}}
+    with pytest.raises(DuoConfigError, match='lookup "only" needs lookup drafts'):
+        DuoConfig(lookup_only=True, lookup=False)
 
 
 def test_parse_cpu_list():

@@ -8,13 +8,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from duo_vllm.config import nest_tuning
 from duo_vllm.models import ModelNotFoundError
 from duo_vllm.vllm.proposer import DuoProposer
 from duo_vllm.vllm.vocab import VocabMismatchError
 
 
 def vllm_config(target, k=4, duo=None, max_model_len=2048):
-    load = SimpleNamespace(model_loader_extra_config={"duo": duo or {}})
+    # options written flat here, as DuoProposer reads them (tuning nested)
+    load = SimpleNamespace(model_loader_extra_config={"duo": nest_tuning(duo or {})})
     spec = SimpleNamespace(num_speculative_tokens=k, draft_load_config=load)
     model = SimpleNamespace(max_model_len=max_model_len, get_vocab_size=lambda: 49152,
                             tokenizer=target, trust_remote_code=False, model=target)

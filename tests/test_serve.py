@@ -45,7 +45,7 @@ def servers(target_dir, session_tmp):
                  # the fault tests need steps that call the actor: no gate (it could
                  # leave a batch size to plain decoding just then; tests/test_gate.py)
                  launcher=[*duo_serve(), "--num-speculative-tokens", "4",
-                           "--duo", json.dumps({"n_ctx": DRAFT_N_CTX, "gate": False})])
+                           "--duo", json.dumps({"n_ctx": DRAFT_N_CTX, "tuning": {"gate": False}})])
     try:
         plain.wait_ready()
         duo.wait_ready()

@@ -15,7 +15,8 @@ import threading
 import time
 
 from duo_vllm.runtime.channel import ChannelServer
-from duo_vllm.config import DuoConfig, DuoConfigError, allowed_cpus, choose_cores, read_host
+from duo_vllm.config import (DuoConfig, DuoConfigError, allowed_cpus, choose_cores, nest_tuning,
+                             read_host)
 from duo_vllm.runtime.delta import Delta, DeltaReceiver, Drafts
 from duo_vllm.draft.drafter import DraftPolicy, DuoDrafter
 from duo_vllm.host.cores import draft_threads
@@ -56,7 +57,7 @@ class DraftWorker:
 
     def __init__(self, cfg: dict, model_path: str, cores: list[int] | None, k: int,
                  backend_factory=None):
-        config = DuoConfig.from_dict(cfg)
+        config = DuoConfig.from_dict(nest_tuning(cfg))
         self.cores = pin_process(cores) if cores else sorted(os.sched_getaffinity(0))
         n_threads, too_many = draft_threads(config.n_threads, len(self.cores))
         if too_many:
@@ -368,7 +369,7 @@ class DraftActor(DraftWorker):
 
         setup_actor_logging()
         if not cores:
-            cores = node_draft_cores(DuoConfig.from_dict(cfg))
+            cores = node_draft_cores(DuoConfig.from_dict(nest_tuning(cfg)))
         super().__init__(cfg, model_path, cores, k, backend_factory)
 
 
