@@ -4,7 +4,8 @@
         [--window 256] [--busy-prefill] [--best-of-lookups]
 
 Reads plain vLLM's greedy outputs (``token_ids``, ``prompt_ids``) from
-``benchmarks/results/*/engines/plain-*.out.json``, runs the draft GGUF once
+``DIR/engines/plain-*.out.json`` of a ``benchmarks.run`` output folder (default: every
+folder under ``benchmarks/results/``), runs the draft GGUF once
 over each prompt and output (teacher-forced: the draft's greedy guess at every
 position, whole context) and replays decoding step by step, with no timing
 noise. Each step takes the better (tokens per second) of:
@@ -181,6 +182,11 @@ def main(argv=None) -> None:
     from duo_vllm.models import default_draft_gguf, prepare_draft
 
     rows = stored_outputs(args.results)
+    if not rows:  # the committed results keep no engines/ folders (git-ignored raw outputs)
+        ap.error("no plain vLLM greedy outputs (engines/plain-*.out.json) under "
+                 f"{args.results or 'benchmarks/results/*'}: run `python -m benchmarks.run "
+                 "--methods plain-all --batch-sizes 1 --temperatures 0 --sampled-batch-sizes "
+                 "--staggered 0 --out DIR` first and pass --results DIR")
     guesses, seconds = draft_guesses(args.draft or prepare_draft(default_draft_gguf()), rows,
                                      args.window, rank=args.hedge_width)
     agree = np.mean([np.mean(np.asarray(g) == np.asarray(o))
