@@ -257,6 +257,9 @@ class DuoConfig:
                     "speculative_config.draft_load_config.model_loader_extra_config['duo'] "
                     f"must be a JSON object, got {type(section).__name__}"
                 )
+            if isinstance(merged.get("tuning"), dict) and isinstance(section.get("tuning"), dict):
+                # tuning switches merge key by key, as options do
+                section = {**section, "tuning": {**merged["tuning"], **section["tuning"]}}
             merged.update(section)
         if INTERNAL_OPTIONS & set(merged):
             raise DuoConfigError(f"unknown DuoProposer option(s) "

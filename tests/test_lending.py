@@ -16,6 +16,12 @@ from duo_vllm.host.lending import (ONEDNN_CACHE, MatmulPrimitives, TargetThreads
                               remake_pays)
 from duo_vllm.vllm.proposer import REMAKE_WEIGHT
 from tests.test_proposer_steps import FakeWorker, bare, clock, inputs  # noqa: F401
+from duo_vllm.control.verdict import LOOKUP, MODEL
+
+
+def on_mode(on: bool) -> str:
+    """The verdict's mode for a test that says whether the model drafts."""
+    return MODEL if on else LOOKUP
 
 
 def test_bind_order_reads_each_openmp_runtime_in_thread_order():
@@ -275,7 +281,7 @@ def test_the_target_gets_the_draft_cores_exactly_while_the_draft_model_is_off(cl
     w = FakeWorker()
     p, calls = lending(w)
     modes = iter([True, True, False, False, True])
-    p.gate.drafting = lambda b, sampled, key=None: next(modes)
+    p.verdict.choose = lambda b, sampled, key=None: on_mode(next(modes))
     served = []
     for _ in range(5):
         sampled, n, ids = inputs([[1, 2]])
@@ -293,7 +299,7 @@ def test_steps_on_the_lent_cores_are_no_samples_of_the_drafting_step_time(clock)
     w = FakeWorker(drafts=[[]])
     p, _ = lending(w)
     on = {"v": True}
-    p.gate.drafting = lambda b, sampled, key=None: on["v"]
+    p.verdict.choose = lambda b, sampled, key=None: on_mode(on["v"])
     sampled, n, ids = inputs([[1, 2]])
     for i in range(20):  # drafting: the target alone on its core, 60 ms a step
         p.propose(sampled, n, ids)
@@ -317,7 +323,7 @@ def test_copies_on_a_lent_step_are_priced_on_what_a_lent_step_costs(clock, lent_
     w = FakeWorker()
     p, _ = lending(w)
     p.lookup = ContextLookup(min_n=2, max_n=4)
-    p.gate.drafting = lambda b, sampled, key=None: False  # the draft model off: lent
+    p.verdict.choose = lambda b, sampled, key=None: LOOKUP  # the draft model off: lent
     for e in range(0, 5):
         p.step_time.observe(1, e, 0.060 + 0.0001 * e)  # drafting steps: nearly free
         p.lent_step_time.observe(1, e, 0.035 + lent_per_token * e)
@@ -331,7 +337,7 @@ def test_vllms_engine_core_sits_on_the_draft_cores_only_while_the_draft_drafts(c
     places = []
     p._engine_place = SimpleNamespace(use=places.append)
     modes = iter([True, True, False, False, True])
-    p.gate.drafting = lambda b, sampled, key=None: next(modes)
+    p.verdict.choose = lambda b, sampled, key=None: on_mode(next(modes))
     sampled, n, ids = inputs([[1, 2]])
     for _ in range(5):
         p.propose(sampled, n, ids)
@@ -370,7 +376,7 @@ class IdleWorker(FakeWorker):
 def test_a_draft_side_with_nothing_to_run_beside_the_step_lends_its_cores_for_it(clock):
     w = IdleWorker(drafts=[[]])
     p, calls = lending(w)
-    p.gate.drafting = lambda b, sampled, key=None: True  # drafting pays at this batch size
+    p.verdict.choose = lambda b, sampled, key=None: MODEL  # drafting pays at this batch size
     sampled, n, ids = inputs([[1, 2]])
     p.propose(sampled, n, ids)  # nothing served, nothing pre-drafted: lent
     assert calls == [] and p._threads.lent and len(w.calls) == 1
@@ -403,7 +409,7 @@ def test_an_idle_draft_side_lends_only_where_no_matmul_would_need_remaking(clock
     p._primitives.warm_rows = 2  # (as if only 1-2 rows had been made for every thread)
     for r in range(3, 17):
         del p._primitives.made[r], cache[(r, 576, False)]
-    p.gate.drafting = lambda b, sampled, key=None: True
+    p.verdict.choose = lambda b, sampled, key=None: MODEL
     p._lend(False)
     ops.threads = 1
     p.before_step(3)  # a drafting step of one request and 2 draft tokens, on one thread
@@ -419,7 +425,7 @@ def test_an_idle_draft_side_lends_only_where_no_matmul_would_need_remaking(clock
     assert p._primitives.refreshes == 0 and p._primitives.made[2] is True
     assert cache[(2, 576, False)] == 2
     # new prompts the draft prefills beside the target's prefill: the draft's cores
-    p._prefetch, p.gate.mode = True, lambda b, sampled, key=None: True
+    p._prefetch, p.verdict.peek = True, lambda b, sampled, key=None: MODEL
     p.on_new_requests([SimpleNamespace(prompt_token_ids=[1, 2, 3],
                                        sampling_params=SimpleNamespace(temperature=0.0))],
                       batch=2)
@@ -440,11 +446,11 @@ def test_prompts_the_draft_will_not_draft_for_are_prefilled_on_the_lent_cores(cl
     w = Pausing()
     p, calls = lending(w)
     p._prefetch = True
-    p.gate.drafting = lambda b, sampled, key=None: True
+    p.verdict.choose = lambda b, sampled, key=None: MODEL
     sampled, n, ids = inputs([[1, 2]])
     p.propose(sampled, n, ids)  # drafting at batch 1: one thread
     assert calls == [1]
-    p.gate.mode = lambda b, sampled, key=None: b < 4  # off from batch 4 up
+    p.verdict.peek = lambda b, sampled, key=None: on_mode(b < 4)  # off from batch 4 up
     new = [SimpleNamespace(prompt_token_ids=[1, 2, 3],
                            sampling_params=SimpleNamespace(temperature=0.0))] * 15
     p.on_new_requests(new, batch=16)
@@ -475,7 +481,7 @@ def test_long_prompts_are_prefilled_on_the_lent_cores_and_short_ones_beside_the_
     w.idle = False
     p, calls = lending(w)
     p._prefetch, p.max_model_len = True, 2048
-    p.gate.drafting = p.gate.mode = lambda b, sampled, key=None: True
+    p.verdict.choose = p.verdict.peek = lambda b, sampled, key=None: MODEL
     sampled, n, ids = inputs([[1, 2]])
     p.propose(sampled, n, ids)  # drafting: the draft's core is its own
     assert calls == [1] and p._window == 256

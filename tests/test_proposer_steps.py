@@ -10,6 +10,12 @@ from duo_vllm.vllm import proposer as proposer_mod
 from duo_vllm.config import DuoConfig
 from duo_vllm.runtime.delta import Delta, DeltaReceiver
 from duo_vllm.vllm.proposer import DuoProposer, valid_prefix
+from duo_vllm.control.verdict import LOOKUP, MODEL, PLAIN
+
+
+def on_mode(on: bool) -> str:
+    """The verdict's mode for a test that says whether the model drafts."""
+    return MODEL if on else LOOKUP
 
 
 class FakeWorker:
@@ -182,7 +188,7 @@ def test_gate_off_means_no_call_to_the_draft_side(clock):
     p = bare(w)
     ids_batch = SimpleNamespace(temperature_cpu=np.zeros(2, dtype=np.float32), req_ids=["a", "b"])
     p.attach_runner(SimpleNamespace(input_batch=ids_batch))
-    p.gate.drafting = lambda batch, sampled, key=None: False  # plain decoding measured faster
+    p.verdict.choose = lambda batch, sampled, key=None: LOOKUP  # plain decoding measured faster
     sampled, n, ids = inputs([[1, 2], [3, 4]])
     assert p.propose(sampled, n, ids) == [[], []]
     assert w.calls == []
@@ -195,18 +201,18 @@ def test_the_gate_sees_the_tokens_each_step_produced(clock):
     batch = SimpleNamespace(temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])
     p.attach_runner(SimpleNamespace(input_batch=batch))
     seen, told = [], []
-    p.gate.observe = lambda b, on, tokens, seconds, sampled, key: seen.append(
-        (b, on, tokens, seconds, key))
-    p.gate.drafting = lambda b, sampled, key=None: told.append(key) or True
+    p.verdict.observe = lambda b, mode, tokens, seconds, sampled: seen.append(
+        (b, mode, tokens, seconds))
+    p.verdict.choose = lambda b, sampled, key=None: told.append(key) or MODEL
     ctx = [1, 2]
     for _ in range(3):
         sampled, n, ids = inputs([ctx])
         p.propose(sampled, n, ids)
         clock.now += 0.1
         ctx = ctx + [7, 7, 7]  # three tokens per step (two accepted + one sampled)
-    # at batch 1 each sample names its request: the gate pairs a trial with it, and
-    # knows each step's request before it chooses (a verdict may hold for one request)
-    assert seen == [(1, True, 3, pytest.approx(0.1), "a")] * 2
+    # the verdict knows each step's request before it chooses (at batch 1 a verdict
+    # against the model holds for one request)
+    assert seen == [(1, MODEL, 3, pytest.approx(0.1))] * 2
     assert told == ["a"] * 3
 
 
@@ -218,7 +224,7 @@ def test_without_the_gate_or_with_a_fixed_budget_every_step_drafts(clock):
         p._init_step_state()
         p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
             temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])))
-        p.gate.drafting = lambda batch, sampled, key=None: False
+        p.verdict.choose = lambda batch, sampled, key=None: LOOKUP
         sampled, n, ids = inputs([[1, 2]])
         assert p.propose(sampled, n, ids) == [[1, 2, 3, 4]]
 
@@ -231,7 +237,7 @@ def test_lookup_drafts_are_served_when_the_draft_model_is_off_and_scored_per_sou
     p.k_lookup = 4
     p.lookup = ContextLookup(min_n=2, max_n=4)
     p._gated = False
-    p._on = False  # the gate keeps the draft model off
+    p._mode, p._on = LOOKUP, False  # the verdict keeps the draft model off
     for e in range(0, 5):  # verifying a token is nearly free: all four pay
         p.step_time.observe(1, e, 0.050 + 0.0001 * e)
     ctx = [5, 6, 7, 8, 9, 10, 5, 6]  # "5 6" came before, followed by 7 8 9 10
@@ -330,7 +336,7 @@ def test_the_gate_turning_drafting_off_pauses_the_draft_side_and_prompts_follow_
     batch = SimpleNamespace(temperature_cpu=np.zeros(2, dtype=np.float32), req_ids=["a", "b"])
     p.attach_runner(SimpleNamespace(input_batch=batch))
     modes = iter([True, False, False, True])
-    p.gate.drafting = lambda b, sampled, key=None: next(modes)
+    p.verdict.choose = lambda b, sampled, key=None: on_mode(next(modes))
     for _ in range(4):
         sampled, n, ids = inputs([[1, 2], [3, 4]])
         p.propose(sampled, n, ids)
@@ -338,7 +344,7 @@ def test_the_gate_turning_drafting_off_pauses_the_draft_side_and_prompts_follow_
     new = [SimpleNamespace(prompt_token_ids=[1, 2, 3],
                            sampling_params=SimpleNamespace(temperature=0.0))]
     asked = []
-    p.gate.mode = lambda b, sampled, key=None: asked.append((b, sampled, key)) or b < 3
+    p.verdict.peek = lambda b, sampled, key=None: on_mode(asked.append((b, sampled, key)) or b < 3)
     p.on_new_requests(new, batch=1)  # the scheduler's count: one request, where it drafts
     assert w.prefetched == [[3]] and asked[-1] == (1, False, None)
     new[0].req_id = "c"  # vLLM names it: at batch 1 the gate is asked for that request
@@ -381,7 +387,7 @@ def test_held_drafting_is_plain_decoding_with_an_idle_draft_side_and_resumes(clo
     assert p.propose(sampled, n, ids) == [[1, 2, 3, 4]] and len(w.calls) == 3
 
 
-def test_with_the_model_off_a_second_gate_picks_lookups_or_plain_decoding(clock):
+def test_the_verdict_s_modes_serve_lookups_or_nothing_and_each_sample_names_its_mode(clock):
     from duo_vllm.sources.lookup import ContextLookup
 
     w = FakeWorker()
@@ -392,16 +398,12 @@ def test_with_the_model_off_a_second_gate_picks_lookups_or_plain_decoding(clock)
         temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])))
     for e in range(0, 5):  # verifying a token is nearly free: a lookup token pays
         p.step_time.observe(1, e, 0.050 + 0.0001 * e)
-    p.gate.drafting = lambda b, sampled, key=None: False  # the draft model is off
-    modes, asked = iter([True, False, False]), []
-    p.lookup_gate.drafting = lambda b, sampled, key=None: (asked.append(key), next(modes))[1]
-    seen, seen_lookup = [], []
-    p.gate.observe = lambda b, on, tokens, s, sampled, key: seen.append((on, tokens))
-    p.lookup_gate.observe = lambda b, on, tokens, s, sampled, key: seen_lookup.append(
-        (on, tokens))
+    modes, asked, seen = iter([LOOKUP, PLAIN, PLAIN]), [], []
+    p.verdict.choose = lambda b, sampled, key=None: (asked.append(key), next(modes))[1]
+    p.verdict.observe = lambda b, mode, tokens, s, sampled: seen.append((mode, tokens))
     ctx = [5, 6, 7, 8, 9, 10, 5, 6]  # "5 6" came before, followed by 7 8 9 10
     sampled, n, ids = inputs([ctx])
-    assert p.propose(sampled, n, ids) == [[7, 8, 9, 10]]  # lookups on
+    assert p.propose(sampled, n, ids) == [[7, 8, 9, 10]]  # lookups
     clock.now += 0.1
     ctx = ctx + [7, 8, 11]  # two accepted and the target's own
     sampled, n, ids = inputs([ctx])
@@ -411,51 +413,37 @@ def test_with_the_model_off_a_second_gate_picks_lookups_or_plain_decoding(clock)
     sampled, n, ids = inputs([ctx + [4]])
     p.propose(sampled, n, ids)
     assert w.calls == []  # never the draft model
-    # both gates saw each step; the lookup gate knows which of its modes ran
-    assert seen == [(False, 3), (False, 1)]
-    assert seen_lookup == [(True, 3), (False, 1)]
-    assert asked == ["a"] * 3  # batch 1: the lookup gate is told the request
-    assert p.stats()["gate_no_draft_steps"] == 0  # the gate was stubbed: it counted nothing
+    assert seen == [(LOOKUP, 3), (PLAIN, 1)]  # each step's sample, in the mode it ran
+    assert asked == ["a"] * 3  # batch 1: the verdict is told the request
 
 
-def test_the_lookup_gate_is_only_asked_while_the_draft_model_is_off(clock):
+def test_above_max_batch_a_step_does_no_draft_work_at_all(clock):
     from duo_vllm.sources.lookup import ContextLookup
 
-    p = bare(FakeWorker(drafts=[[1]]), k=2)
+    w = PausingWorker()
+    p = bare(w)
+    p.config = DuoConfig(use_actor=False, max_batch=1)
+    p._init_step_state()
+    p._prefetch = True
     p.lookup = ContextLookup(min_n=2, max_n=4)
     p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
-        temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])))
-    p.gate.drafting = lambda b, sampled, key=None: True
-    p.lookup_gate.drafting = lambda b, sampled, key=None: pytest.fail("asked with the model on")
-    p.lookup_gate.observe = lambda *a: pytest.fail("a model step is no lookup-gate sample")
-    for ctx in ([5, 6, 7, 5, 6], [5, 6, 7, 5, 6, 7, 9]):
-        sampled, n, ids = inputs([ctx])
-        p.propose(sampled, n, ids)
-        clock.now += 0.1
-        assert p._lookups_on
-
-
-def test_while_the_model_gate_tries_plain_decoding_the_lookup_gate_holds_its_mode(clock):
-    """The model gate's trial of "off" measures "off" as it stands: no lookup-gate trial
-    may start inside it, and its steps are no lookup-gate samples."""
-    from duo_vllm.sources.lookup import ContextLookup
-
-    p = bare(FakeWorker(), k=2)
-    p.lookup = ContextLookup(min_n=2, max_n=4)
-    p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
-        temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])))
-    p.gate.drafting = lambda b, sampled, key=None: False
-    p.gate.trying = lambda b, sampled: True  # a trial of "off" is under way
-    p.lookup_gate.mode = lambda b, sampled, key=None: False  # the lookup gate has plain decoding
-    p.lookup_gate.drafting = lambda b, sampled, key=None: pytest.fail("a lookup trial inside it")
-    p.lookup_gate.observe = lambda *a: pytest.fail("its steps are no lookup-gate samples")
+        temperature_cpu=np.zeros(2, dtype=np.float32), req_ids=["a", "b"])))
+    p.verdict.choose = lambda *a, **k: pytest.fail("the verdict is asked above the cap")
+    p.lookup.observe = lambda *a: pytest.fail("lookups are scored above the cap")
     ctx = [5, 6, 7, 8, 9, 10, 5, 6]
     for _ in range(3):
-        sampled, n, ids = inputs([ctx])
-        assert p.propose(sampled, n, ids) == [[]]  # the lookup gate's mode: plain
+        sampled, n, ids = inputs([ctx, ctx])
+        assert p.propose(sampled, n, ids) == [[], []]
         clock.now += 0.1
-        ctx = ctx + [7]
-    assert p._errors == 0  # (propose() never raises: a failure would only be counted)
+    p.on_new_requests([SimpleNamespace(prompt_token_ids=[1, 2, 3])], batch=3)
+    assert w.calls == [] and w.prefetched == [] and w.pauses == 1  # one pause, at the cap
+    assert p.stats()["capped_steps"] == 3 and p._errors == 0
+    del p.verdict.choose, p.lookup.observe  # back under the cap: drafting resumes
+    p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
+        temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])))
+    sampled, n, ids = inputs([ctx])
+    p.propose(sampled, n, ids)
+    assert len(w.calls) == 1 and p._errors == 0
 
 
 def test_drawn_drafts_go_to_vllm_with_their_q_and_other_drafts_one_hot(clock):
@@ -481,11 +469,11 @@ def test_drawn_drafts_go_to_vllm_with_their_q_and_other_drafts_one_hot(clock):
 
 def test_a_lending_target_carries_no_gate_win_to_a_larger_batch(monkeypatch):
     p = bare(FakeWorker())
-    assert p.gate.reach == 2
+    assert p.verdict.reach == 2
     monkeypatch.setattr(proposer_mod, "resolve_draft_cores", lambda cfg: ([1], True))
     monkeypatch.setattr(proposer_mod, "lend_plan", lambda order, cores, n: (2, 1))
     assert p._draft_cores(DuoConfig(use_actor=False)) == [1]
-    assert p._threads is not None and p.gate.reach == 0
+    assert p._threads is not None and p.verdict.reach == 0
 
 
 def test_requests_with_structured_output_are_drafted_without_draws(clock):
@@ -531,7 +519,7 @@ def test_seeded_sampled_requests_decode_without_drafts(clock):
     assert p.stats()["seeded_rows"] == 1
     assert p._last_step[0] == 3  # the step's T(B) and the gate's batch count every row
     asked = []
-    p._gated, p.gate.drafting = True, lambda b, sampled, key=None: asked.append(b) or True
+    p._gated, p.verdict.choose = True, lambda b, sampled, key=None: asked.append(b) or MODEL
     p.propose(sampled, n, ids)
     assert asked == [3]
     p._gated = False
@@ -541,72 +529,3 @@ def test_seeded_sampled_requests_decode_without_drafts(clock):
     p.config = DuoConfig(use_actor=False, draft_seeded=True)  # drafted like the others
     drafts = p.propose(sampled, n, ids)
     assert len(w.calls[-1]["contexts"]) == 3 and all(drafts)
-
-
-def test_at_batch_1_greedy_the_gate_learns_what_lookups_alone_did_on_drafted_tokens(clock):
-    """Drafting steps of one greedy request: the gate is told, per counted step, what
-    lookups alone would have done on the tokens it produced (duo_vllm/control/shadow.py), timed
-    at the lent step's measured cost; with the draft model off, the shadow runs beside
-    the measured lookups instead (``shadow_check``)."""
-    from duo_vllm.sources.lookup import ContextLookup
-    from duo_vllm.control.shadow import ShadowLookups
-
-    p = bare(FakeWorker(drafts=[[]]), k=2)
-    p.k_lookup = 4
-    p.lookup = ContextLookup(min_n=2, max_n=4)
-    p.shadow = ShadowLookups(4, 2, 4)
-    p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
-        temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])))
-    for e in range(0, 5):  # a lent step: 40 ms, verifying a token nearly free
-        p.lent_step_time.observe(1, e, 0.040 + 0.0001 * e)
-    told = []
-    p.gate.drafting = lambda b, sampled, key=None: True
-    p.gate.observe = lambda b, on, tokens, seconds, sampled, key: True  # counted
-    p.gate.observe_shadow = lambda b, key, tokens, seconds: told.append((key, tokens, seconds))
-    # "5 6" came before, followed by 7 8 9 10: the target then copies 7 8 9 and says 4
-    steps = [[5, 6, 7, 8, 9, 10, 5, 6], [5, 6, 7, 8, 9, 10, 5, 6, 7, 8],
-             [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 4]]
-    for ctx in steps:
-        sampled, n, ids = inputs([ctx])
-        p.propose(sampled, n, ids)
-        clock.now += 0.1
-    # step 2 (8 -> 10): lookups alone at 8 serve 7 8 9 10, the context tells 2 so far;
-    # step 3 (-> 12): the copy matched 7 8 9, the target said 4: 4 tokens in one step
-    assert [(k, t) for k, t, _ in told] == [("a", 0), ("a", 4)]
-    assert told[1][2] == pytest.approx(0.0404, abs=2e-4)  # one lent step with 4 verified
-    # the model off, lookups served: the shadow beside what they measured
-    p.gate.drafting = lambda b, sampled, key=None: False
-    p.lookup_gate.drafting = lambda b, sampled, key=None: True
-    for ctx in ([*steps[-1], 5, 6], [*steps[-1], 5, 6, 7, 8, 9, 10]):
-        sampled, n, ids = inputs([ctx])
-        p.propose(sampled, n, ids)
-        clock.now += 0.05
-    check = p._local_stats()["shadow_check"]
-    assert check["steps_tokens"] == 4 and check["measured_tokens_per_s"] == pytest.approx(80.0)
-    assert check["shadow_tokens_per_s"] > 0
-
-
-def test_no_shadow_where_the_mode_changes_the_output_or_no_request_is_named(clock):
-    """Sampled steps (the tokens depend on the mode) and batches of several requests (the
-    gate pairs nothing there) are never replayed: their gate runs its trials as before."""
-    from duo_vllm.sources.lookup import ContextLookup
-    from duo_vllm.control.shadow import ShadowLookups
-
-    for temps, req_ids in ((np.full(1, 0.7, dtype=np.float32), ["a"]),
-                           (np.zeros(2, dtype=np.float32), ["a", "b"])):
-        p = bare(FakeWorker(drafts=[[] for _ in req_ids]), k=2)
-        p.lookup = ContextLookup(min_n=2, max_n=4)
-        p.shadow = ShadowLookups(4, 2, 4)
-        p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
-            temperature_cpu=temps, req_ids=req_ids)))
-        for e in range(0, 5):
-            p.lent_step_time.observe(len(req_ids), e, 0.040)
-            p.lent_step_time.observe(1, e, 0.040)
-        p.gate.drafting = lambda b, sampled, key=None: True
-        p.gate.observe = lambda *a: True
-        p.gate.observe_shadow = lambda *a: pytest.fail("a shadow here")
-        ctx = [5, 6, 7, 8, 9, 10, 5, 6]
-        for extra in ([], [7, 8, 9, 4], [7, 8, 9, 4, 1, 2]):
-            sampled, n, ids = inputs([ctx + extra] * len(req_ids))
-            p.propose(sampled, n, ids)
-            clock.now += 0.1

@@ -22,20 +22,18 @@ from duo_vllm.runtime.client import ActorClient
 from duo_vllm.config import DuoConfig, allowed_cpus, resolve_draft_cores, target_cores
 from duo_vllm.runtime.delta import DeltaSender
 from duo_vllm.vllm.drafts_out import attach_drafts
-from duo_vllm.control.gate import DraftGate, LookupGate, tokens_per_s
+from duo_vllm.control.verdict import PLAIN, Verdict
 from duo_vllm.host.lending import (WARM_ROWS, MatmulPrimitives, TargetThreads, bind_order, lend_plan,
                       lend_prefill, remake_pays)
 from duo_vllm.control.goodput import StepTimeModel
-from duo_vllm.sources.lookup import LOOKUP, MODEL, ContextLookup, Hint, paying_length, serve
+from duo_vllm.sources.lookup import LOOKUP, MODEL, ContextLookup, Hint, serve
 from duo_vllm.models import ModelNotFoundError, default_draft_gguf
 from duo_vllm.host.pinning import EngineCorePlace, engine_core, move_engine_core, off_target
 from duo_vllm.runtime.raynode import check_placement as _check_placement
 from duo_vllm.runtime.raynode import ensure_ray as _ensure_ray
 from duo_vllm.runtime.raynode import private_ray as _private_ray
 from duo_vllm.draft.sampling import dense_q
-from duo_vllm.control.shadow import ShadowLookups, walk_rate
 from duo_vllm.draft.slots import pool_window
-from duo_vllm.stats import Ema
 from duo_vllm.vllm.patches import (
     check_vllm, fix_cpu_expand_kernel, install_draft_free_sampling, install_draft_probs_hook,
     install_logprob_free_verify,
@@ -105,10 +103,9 @@ class DuoProposer:
             cfg = self.config = dataclasses.replace(cfg, sampled_drafts=False)
         if cfg.lookup:
             self.lookup = ContextLookup(cfg.lookup_min, cfg.lookup_max)
-            self.shadow = ShadowLookups(self.k_lookup, cfg.lookup_min, cfg.lookup_max)
         self.model_path = None
         if cfg.lookup_only:
-            self._on = False  # no draft model: every step is the lookup gate's
+            self._mode, self._on = LOOKUP, False  # no draft model
             logger.info("DuoProposer: lookup drafts only (lookup_only): no draft model, no "
                         "draft actor; the target keeps every core")
         else:
@@ -186,27 +183,25 @@ class DuoProposer:
         self._errors = 0  # propose() calls that raised: the step went without drafts
         self._calls, self._wait_s = 0, 0.0  # time vLLM's loop spent waiting for drafts
         self._steps, self._step_s = 0, 0.0  # every propose() call, and the time it took
-        self._off_propose = Ema()  # propose()'s time a step with the draft model off
-        # batch 1 greedy, the draft model off, lookups on: the shadow's tokens and seconds
-        # over those steps, and the measured ones (duo_vllm/control/shadow.py)
-        self.shadow_check = [0.0, 0.0, 0.0, 0.0]
         self._stats_ref, self._stats_logged_at = None, time.monotonic()
         self._prefetch = False
         self._passive = False  # a rank whose drafts vLLM does not use
         self._held = False  # drafting held off by hold(): plain decoding, no draft work
-        self.gate = DraftGate()  # drafting on only while it is measured to be faster
-        # with the draft model off: lookup drafts, or none (plain decoding), measured alike
-        self.lookup_gate = LookupGate()
-        self._lookups_on = True  # the lookup gate's choice for the step under way
-        self._lookup_trial = False  # ... and whether the lookup gate measures that step
+        cfg = self.config
+        # the modes the verdict chooses among (duo_vllm/control/verdict.py)
+        modes = (LOOKUP, PLAIN) if cfg.lookup_only else \
+            (MODEL, LOOKUP, PLAIN) if cfg.lookup else (MODEL, PLAIN)
+        self.verdict = Verdict(modes)
         # a fixed budget drafts every step
-        self._gated = self.config.budget == "auto" and self.config.gate
-        self._on = True  # the gate's choice for the step under way
+        self._gated = cfg.budget == "auto" and cfg.gate
+        self._mode = modes[0]  # the verdict's choice for the step under way
+        self._on = self._mode == MODEL  # ... the draft model drafts in it
+        self.capped_steps = 0  # steps above max_batch: no draft work at all
+        self._capped = False  # the last step was above max_batch
         self._sampled = False  # some request of the step under way samples
         self._started_at: float | None = None  # when the last propose() was called
         self._counts: dict = {}  # request id -> its tokens at the last propose()
         self.lookup: ContextLookup | None = None  # drafts copied from the context
-        self.shadow: ShadowLookups | None = None  # lookups alone, beside drafting (batch 1)
         self._sender = DeltaSender()  # each step's contexts as deltas (duo_vllm/runtime/delta.py)
         self._sender_actor = 0  # the actor the sender's deltas are against (its restart)
         # vLLM-CPU, the draft's cores at the end of the target's binding: the target
@@ -238,7 +233,7 @@ class DuoProposer:
             self._threads = TargetThreads(plan)
             # plain decoding here runs on the draft's cores too: a batch-1 win says
             # nothing of batch 2 (measured: drafting lost to it at batch 2-7)
-            self.gate.reach = 0
+            self.verdict.reach = 0
             logger.info("DuoProposer: the target lends CPU(s) %s to the draft: %d OpenMP "
                         "threads while the draft model is off, %d while it drafts",
                         cores, *plan)
@@ -284,8 +279,6 @@ class DuoProposer:
             self._steps += 1
             took = time.perf_counter() - t0
             self._step_s += took
-            if not self._on:  # the proposer's own time a step of lookups (the shadow's)
-                self._off_propose.add(took)
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
@@ -293,6 +286,9 @@ class DuoProposer:
         if self._failed or self._passive or self._held:
             self._lend(True)
             return drafts
+        if self._above_cap(sum(1 for s in sampled_token_ids if len(s))):
+            return drafts  # max_batch: plain decoding, and no draft work at all
+        self._capped = False
         token_ids = np.asarray(token_ids_cpu)  # a numpy array in vLLM 0.32, or a tensor
         rows, contexts, budgets, lookup_caps = [], [], [], []
         partial = False
@@ -333,13 +329,12 @@ class DuoProposer:
         temps_or_0 = temps or [0.0] * len(rows)
         keys = self._request_keys(rows)
         if self._runner is not None and self._gated:  # it needs request ids to count tokens
-            key = keys[0] if batch == 1 else None  # batch 1: the gates judge per request
-            if not self.config.lookup_only:  # (lookups only: the draft model is always off)
-                was_on, self._on = self._on, self.gate.drafting(batch, self._sampled, key)
-                if was_on and not self._on:
-                    self._pause_draft()
-            self._lookups_on, self._lookup_trial = self._lookup_mode(batch, key)
-        lookups = self._lookups(keys, contexts, lookup_caps, serve=self._lookups_on)
+            key = keys[0] if batch == 1 else None  # batch 1: verdicts per request
+            self._mode = self.verdict.choose(batch, self._sampled, key)
+            was_on, self._on = self._on, self._mode == MODEL
+            if was_on and not self._on:
+                self._pause_draft()
+        lookups = self._lookups(keys, contexts, lookup_caps, serve=self._mode != PLAIN)
         disabled = getattr(self._client, "disabled", False)
         if not self._on or disabled:
             self._lend(True)  # the draft side gave up for good: lend for good
@@ -371,6 +366,21 @@ class DuoProposer:
             self._lend(self._free_cores(idle, drafts, partial))
         return drafts
 
+    def _above_cap(self, batch: int) -> bool:
+        """Is a step of ``batch`` requests above ``max_batch``? Then it is plain decoding
+        with no draft work at all: no lookups, no actor call (but one to drop the draft's
+        background work as the cap is crossed), the draft's cores lent to the target."""
+        cap = self.config.max_batch
+        if cap is None or batch <= cap:
+            return False
+        if not self._capped:
+            self._capped = True
+            self._pause_draft()
+        self._lend(True)
+        self.capped_steps += 1
+        self._returned_at = None  # no step-time sample across the cap
+        return True
+
     def _free_cores(self, idle: bool, drafts, partial: bool) -> bool:
         """Drafting is on, and the draft side has nothing to run while the target runs
         this step (``idle``: no pre-draft, no prefill; say, a request it holds
@@ -392,16 +402,6 @@ class DuoProposer:
         if self._threads is not None and self._threads.use(lend) and \
                 self._engine_place is not None:
             self._engine_place.use(lend)
-
-    def _lookup_mode(self, batch: int, key=None) -> tuple[bool, bool]:
-        """(serve lookup drafts?, is the step a sample for the lookup gate?) With the draft
-        model on, lookups are part of its mode. While the model gate tries plain decoding
-        its steps measure "off" as it stands: the lookup gate's mode, without trials."""
-        if self._on or self.lookup is None:
-            return True, False
-        if self.gate.trying(batch, self._sampled):
-            return self.lookup_gate.mode(batch, self._sampled, key), False
-        return self.lookup_gate.drafting(batch, self._sampled, key), True
 
     def _request_keys(self, rows: list[int]) -> list:
         """Each row's request id (vLLM's input batch), else ``("row", i)``."""
@@ -427,7 +427,7 @@ class DuoProposer:
             return None
         # a lookup token pays where α > c · goodput, goodput ~ the plain step's
         cost = self._step_cost(self._batch)
-        threshold = math.inf if cost is None else cost.per_token * self._batch / cost.t0
+        threshold = math.inf if cost is None else cost.threshold(self._batch)
         return [Hint(list(d), self.lookup.alpha(MODEL, key, t),
                      self.lookup.alphas(key, t, n, len(d)), threshold)
                 for key, t, d, n in zip(keys, temps, lookups, self.lookup.matches)]
@@ -565,6 +565,8 @@ class DuoProposer:
         self._new_requests = True
         if self._passive or not self._prefetch or self._failed or self._held:
             return
+        if self.config.max_batch is not None and (batch or 0) > self.config.max_batch:
+            return  # above the cap: no draft work (propose() lends the cores)
         new_reqs = [r for r in new_reqs if not self._seeded_request(r)]
         if not new_reqs:  # none the draft will see (seeded: decoded without drafts)
             return
@@ -621,7 +623,7 @@ class DuoProposer:
         sampled = self._sampled or any(t > 1e-5 for t in temps)
         batch = batch or self._last_step[0] + len(new_reqs)
         key = getattr(new_reqs[0], "req_id", None) if batch == 1 and len(new_reqs) == 1 else None
-        return self.gate.mode(batch, sampled, key)
+        return self.verdict.peek(batch, sampled, key) == MODEL
 
     def hold(self, held: bool = True) -> None:
         """Hold drafting off (``held``), or let it go on: while held, every step is plain
@@ -687,11 +689,7 @@ class DuoProposer:
         """
         now = time.perf_counter()
         new, self._new_requests = self._new_requests, False
-        before = self._counts  # the requests of the step that ran, and their tokens then
-        served = tuple(before)
         produced = self._produced(rows, num_tokens_no_spec)
-        if self.shadow is not None:
-            self.shadow.keep(self._counts)  # the requests still running
         started, self._started_at = self._started_at, now
         if self._returned_at is None or skip or new:
             return
@@ -709,47 +707,7 @@ class DuoProposer:
             return
         model.observe(batch, extra, sample)
         if produced is not None and started is not None:
-            # at batch 1 the gates judge a trial against the other mode on the same request
-            key = served[0] if batch == 1 and len(served) == 1 else None
-            counted = self.gate.observe(batch, self._on, produced, now - started,
-                                        self._sampled, key)
-            if key is not None and not self._sampled:
-                self._shadow_step(key, rows, contexts, before[key], produced, now - started,
-                                  counted)
-            if self._lookup_trial:
-                self.lookup_gate.observe(batch, self._lookups_on, produced, now - started,
-                                         self._sampled, key)
-
-    def _shadow_step(self, key, rows, contexts, since: int, produced: int, seconds: float,
-                     counted: bool) -> None:
-        """Lookups alone over what the step that ran produced for request ``key`` (batch 1
-        greedy, from position ``since``; :mod:`duo_vllm.control.shadow`), at the measured cost of
-        a lent step: told to the gate where drafting ran the step and the gate counted
-        it; beside the measured rate where lookups ran it (``shadow_check``)."""
-        drafting, looking = self._on and counted, not self._on and self._lookups_on
-        cost = self.lent_step_time.cost(1)
-        if self.shadow is None or cost is None or not (drafting or looking):
-            return
-        ids = getattr(self._runner.input_batch, "req_ids", None) or []
-        ctx = next((c for i, c in zip(rows, contexts) if i < len(ids) and ids[i] == key), None)
-        if ctx is None:
-            return
-        threshold = cost.per_token / cost.t0  # as _hints, at batch 1
-
-        def cut(n: int, match: int) -> int:  # the lookup draft as _serve would serve it
-            return paying_length(1.0, self.lookup.alphas(key, 0.0, match, n), n, threshold)
-
-        steps = self.shadow.advance(key, ctx, since, cut)
-        tokens, shadow_s = walk_rate(steps, cost.t0, cost.per_token,
-                                     self._off_propose.get(0.0))
-        if drafting:
-            self.gate.observe_shadow(1, key, tokens, shadow_s)
-        else:  # how far the shadow is from what lookups measure
-            check = self.shadow_check
-            check[0] += tokens
-            check[1] += shadow_s
-            check[2] += produced
-            check[3] += seconds
+            self.verdict.observe(batch, self._mode, produced, now - started, self._sampled)
 
     def _produced(self, rows, num_tokens_no_spec) -> int | None:
         """Tokens the requests of the last step gained in it (from vLLM's input batch)."""
@@ -777,11 +735,13 @@ class DuoProposer:
             "propose_steps": self._steps,
             "propose_total_s": self._step_s,
             "drawn_tokens": self.drawn_tokens,  # served with their q (sampled requests)
-            "gate_plain_steps": self.gate.plain_steps,  # steps without the draft model
-            "gate_no_draft_steps": self.lookup_gate.plain_steps,  # ... nor lookup drafts
-            "gate_tokens_per_s": {**self.gate.rates(), **self.lookup_gate.rates()},
+            # steps without the draft model, steps without drafts, steps above max_batch
+            "gate_plain_steps": self.verdict.steps.get(LOOKUP, 0) + self.verdict.steps[PLAIN],
+            "gate_no_draft_steps": self.verdict.steps[PLAIN],
+            "capped_steps": self.capped_steps,
+            "gate_tokens_per_s": self.verdict.rates(),
             # the gates' last trials and verdicts: (bucket's step, bucket, mode, how, rates)
-            "gate_log": [list(x) for g in (self.gate, self.lookup_gate) for x in g.log],
+            "gate_log": [list(x) for x in self.verdict.log],
             "lend_switches": self._threads.switches if self._threads else 0,
             "lent_steps": self._threads.lent_steps if self._threads else 0,
             "lent_prefills": self.lent_prefills,
@@ -795,10 +755,6 @@ class DuoProposer:
             "lent_step_ms_by_batch": {b: 1e3 * c.t0 for b, c in lent.items()},
             "lent_verify_ms_by_batch": {b: 1e3 * c.per_token for b, c in lent.items()},
             **(self.lookup.summary() if self.lookup is not None else {}),
-            # batch 1 greedy, lookups alone: the shadow's rate against the measured one
-            "shadow_check": {"steps_tokens": self.shadow_check[2],
-                             "shadow_tokens_per_s": tokens_per_s(*self.shadow_check[:2]),
-                             "measured_tokens_per_s": tokens_per_s(*self.shadow_check[2:])},
         }
 
     def stats(self) -> dict:

@@ -1,0 +1,188 @@
+"""Measured, not modelled: which mode makes a batch size fastest?
+
+The plans of :mod:`duo_vllm.control.goodput` rest on a model (T, D, α); the
+verdict checks their outcome in realised tokens per second and runs the
+fastest of three modes:
+
+* ``MODEL``: the draft model drafts (lookup drafts beside it);
+* ``LOOKUP``: drafts copied from the context only, the draft model idle;
+* ``PLAIN``: no drafts, plain decoding.
+
+Per batch-size bucket (1, 2-3, 4-7, ...; steps where some request samples
+apart from all-greedy ones) each mode's rate is its tokens over its seconds
+across its recent steps (sums that decay by ``1 - weight`` a step), a step's
+tokens counted per request at the bucket's smallest batch size. The rules,
+each a named number of :class:`Verdict`:
+
+1. A mode runs ``trial_steps`` steps before it is judged; the model's first
+   ``warmup_steps`` steps after it turns on are not measured (the draft catches
+   up).
+2. Every ``retry_every`` steps of a bucket, each other mode is tried again, one
+   after the other (measured afresh); then the fastest runs. A rival must beat
+   the mode that ran before by ``margin``: a tie keeps it.
+3. A new bucket starts in the winner of the nearest smaller bucket measured in
+   every mode, if it lies within ``reach`` buckets; where none does, in the
+   model at batch sizes up to ``2 ** reach`` and in lookups above. It tries the
+   other modes at once, the model only where it started in it.
+4. At batch 1 a verdict against the model holds for its request only
+   (requests differ far more than modes do on one request): the next request
+   starts on a trial of the model.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from duo_vllm.control.goodput import batch_bucket
+
+MODEL, LOOKUP, PLAIN = "model", "lookup", "plain"
+
+
+def wins(rival: float | None, incumbent: float | None, margin: float) -> bool:
+    """Does a rival's measured rate beat the incumbent's by ``margin``? An unmeasured
+    incumbent loses to any measured rival; an unmeasured rival never wins."""
+    if rival is None:
+        return False
+    return incumbent is None or rival > incumbent * (1 + margin)
+
+
+def tokens_per_s(tokens: float, seconds: float) -> float | None:
+    """A measured rate; None before any time was measured."""
+    return tokens / seconds if seconds > 0 else None
+
+
+class Verdict:
+    """The mode each step runs in, per batch-size bucket (module docstring)."""
+
+    def __init__(self, modes=(MODEL, LOOKUP, PLAIN), trial_steps: int = 32,
+                 warmup_steps: int = 8, retry_every: int = 256, margin: float = 0.02,
+                 weight: float = 0.05, reach: int = 2):
+        self.modes = tuple(modes)
+        self.trial_steps, self.warmup_steps = trial_steps, warmup_steps
+        self.retry_every, self.margin, self.weight = retry_every, margin, weight
+        self.reach = reach
+        self._mode: dict = {}  # bucket -> the mode running
+        self._run: dict = {}  # bucket -> steps in that mode
+        self._clock: dict = {}  # bucket -> steps seen
+        self._retry_at: dict = {}  # bucket -> its step when the next round of trials is due
+        self._round: dict = {}  # bucket -> (the mode before the round, modes still to try)
+        self._scope: dict = {}  # bucket -> the request a verdict against the model is for
+        self._sums: dict = {}  # (bucket, mode) -> [tokens, seconds], decayed
+        self.steps = {m: 0 for m in self.modes}  # steps run in each mode
+        self.log: deque = deque(maxlen=32)  # the last trials and verdicts, for stats
+
+    @staticmethod
+    def bucket(batch: int, sampled: bool = False) -> tuple[int, bool]:
+        return batch_bucket(batch), bool(sampled)
+
+    def rate(self, b, mode: str) -> float | None:
+        sums = self._sums.get((b, mode))
+        return None if sums is None else tokens_per_s(*sums)
+
+    def choose(self, batch: int, sampled: bool = False, key=None) -> str:
+        """The mode of a step of ``batch`` requests (``key``: its request, at batch 1),
+        with the trials' bookkeeping."""
+        b = self.bucket(batch, sampled)
+        self._clock[b] = self._clock.get(b, 0) + 1
+        if b not in self._mode:
+            self._start(b)
+        elif self._scope.get(b, key) != key:  # rule 4: a new request, the model on trial
+            del self._scope[b]
+            self._round[b] = (self._mode[b], [])
+            self._switch(b, MODEL, "next request")
+        run = self._run[b] = self._run[b] + 1
+        due = run > self.trial_steps + (self.warmup_steps if self._mode[b] == MODEL else 0)
+        if due and b in self._round:
+            self._next_trial(b, key)
+        elif due and self._clock[b] >= self._retry_at[b]:
+            others = [m for m in self.modes if m != self._mode[b]]
+            self._round[b] = (self._mode[b], others)
+            self._next_trial(b, key)
+        mode = self._mode[b]
+        self.steps[mode] += 1
+        return mode
+
+    def peek(self, batch: int, sampled: bool = False, key=None) -> str:
+        """The mode a step of ``batch`` requests would get now (no bookkeeping; a trial
+        that falls due at that step aside)."""
+        b = self.bucket(batch, sampled)
+        if b not in self._mode:
+            return self._first(b)
+        if self._scope.get(b, key) != key:
+            return MODEL
+        return self._mode[b]
+
+    def trying(self, batch: int, sampled: bool = False) -> bool:
+        """Is a round of trials under way at this batch size?"""
+        return self.bucket(batch, sampled) in self._round
+
+    def observe(self, batch: int, mode: str, tokens: int, seconds: float,
+                sampled: bool = False) -> bool:
+        """A step of ``batch`` requests in ``mode`` produced ``tokens`` in ``seconds``.
+        Whether it was counted (not a warm-up step of the model)."""
+        b = self.bucket(batch, sampled)
+        if seconds <= 0 or (mode == MODEL and self._mode.get(b) == MODEL
+                            and self._run.get(b, 0) <= self.warmup_steps):
+            return False
+        per_request = tokens * (1 << b[0]) / batch
+        sums = self._sums.setdefault((b, mode), [0.0, 0.0])
+        sums[0] = (1 - self.weight) * sums[0] + per_request
+        sums[1] = (1 - self.weight) * sums[1] + seconds
+        return True
+
+    def rates(self) -> dict[str, float]:
+        return {f"{1 << s}{'s' if sampled else ''}+{mode}": tokens_per_s(*sums)
+                for ((s, sampled), mode), sums in sorted(self._sums.items()) if sums[1] > 0}
+
+    def _first(self, b) -> str:
+        """Rule 3: a new bucket's first mode."""
+        size, sampled = b
+        judged = [s for (s, r), m in self._sums if m == MODEL and r == sampled and s < size
+                  and all(((s, r), x) in self._sums for x in self.modes)]
+        if judged and size - max(judged) <= self.reach:
+            near = (max(judged), sampled)
+            return max(self.modes, key=lambda m: self.rate(near, m) or 0.0)
+        if MODEL in self.modes and size <= self.reach:
+            return MODEL
+        return LOOKUP if LOOKUP in self.modes else self.modes[-1]
+
+    def _start(self, b) -> None:
+        self._mode[b], self._run[b] = self._first(b), 0
+        self._retry_at[b] = self.retry_every
+        # rule 3: what is not measured here yet, at once; the model only where it is
+        # likely to pay (a burst of 16 new requests drafted on one core once ran 0.76x)
+        others = [m for m in self.modes if m != self._mode[b] and (b, m) not in self._sums
+                  and (m != MODEL or self._mode[b] == MODEL)]
+        if others:
+            self._round[b] = (self._mode[b], others)
+            self._note(b, self._mode[b], "first")
+
+    def _switch(self, b, mode: str, how: str) -> None:
+        self._mode[b], self._run[b] = mode, 1  # the step under way is its first
+        self._sums.pop((b, mode), None)  # measured afresh
+        self._note(b, mode, how)
+
+    def _next_trial(self, b, key) -> None:
+        """The mode on trial has run its steps: the next mode of the round, or the
+        round's verdict."""
+        before, todo = self._round[b]
+        if todo:
+            self._switch(b, todo.pop(0), "trial")
+            return
+        del self._round[b]
+        best = before if (b, before) in self._sums else None
+        for m in self.modes:
+            if m != best and wins(self.rate(b, m), self.rate(b, best), self.margin):
+                best = m
+        best = best or before
+        self._mode[b], self._run[b] = best, 1
+        self._retry_at[b] = self._clock[b] + self.retry_every
+        if best != MODEL and key is not None and MODEL in self.modes:
+            self._scope[b] = key  # rule 4
+        self._note(b, best, "verdict", *(self.rate(b, m) for m in self.modes))
+
+    def _note(self, b, mode: str, how: str, *rates) -> None:
+        """Log a trial or a verdict: (bucket's step, bucket, mode, how, the rates)."""
+        size, sampled = b
+        self.log.append((self._clock.get(b, 0), f"{1 << size}{'s' if sampled else ''}", mode,
+                         how, *(None if r is None else round(r, 1) for r in rates)))

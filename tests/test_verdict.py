@@ -1,0 +1,86 @@
+"""The verdict (duo_vllm/control/verdict.py): the fastest measured mode per batch size,
+driven by hand-built rates (tokens per step at a fixed step time)."""
+
+from duo_vllm.control.verdict import LOOKUP, MODEL, PLAIN, Verdict, wins
+
+
+def run(v: Verdict, batch: int, steps: int, rate: dict, key=None, sampled=False) -> list:
+    """``steps`` steps of ``batch`` requests, each mode producing ``rate[mode]`` tokens a
+    step in 0.1 s; the modes chosen."""
+    chosen = []
+    for _ in range(steps):
+        mode = v.choose(batch, sampled, key)
+        v.observe(batch, mode, rate[mode], 0.1, sampled)
+        chosen.append(mode)
+    return chosen
+
+
+def test_wins_needs_a_margin_and_a_measurement():
+    assert wins(10.3, 10.0, 0.02) and not wins(10.1, 10.0, 0.02)
+    assert wins(1.0, None, 0.02) and not wins(None, 10.0, 0.02)
+
+
+def test_a_new_small_bucket_tries_every_mode_then_runs_the_fastest():
+    v = Verdict(trial_steps=4, warmup_steps=2, retry_every=1000)
+    chosen = run(v, 1, 30, {MODEL: 3, LOOKUP: 2, PLAIN: 1})
+    # the model first (its warm-up unmeasured), then lookups, then plain decoding, then
+    # the verdict for the model
+    assert chosen[:6] == [MODEL] * 6 and chosen[6:11] == [LOOKUP] * 4 + [PLAIN]
+    assert chosen[14:] == [MODEL] * 16
+    assert v.log[-1][2:4] == (MODEL, "verdict")
+
+
+def test_a_mode_that_loses_everywhere_is_left_and_retried_each_interval():
+    v = Verdict(trial_steps=4, warmup_steps=0, retry_every=40)
+    chosen = run(v, 4, 120, {MODEL: 1, LOOKUP: 3, PLAIN: 2})
+    assert chosen[:4] == [MODEL] * 4  # batch 4 is within reach: the model first
+    tail = chosen[12:]
+    assert tail.count(LOOKUP) > 0.75 * len(tail)  # lookups run between retries
+    assert 0 < tail.count(MODEL) <= 3 * 4  # the model is retried, a trial at a time
+
+
+def test_a_large_new_bucket_starts_without_the_model_and_tries_it_only_at_a_retry():
+    v = Verdict(trial_steps=4, warmup_steps=0, retry_every=100)
+    chosen = run(v, 16, 60, {MODEL: 9, LOOKUP: 2, PLAIN: 3})
+    assert MODEL not in chosen  # no trial of the draft model on a burst of 16 at once
+    assert chosen[:4] == [LOOKUP] * 4 and chosen[-1] == PLAIN
+    chosen = run(v, 16, 60, {MODEL: 9, LOOKUP: 2, PLAIN: 3})
+    assert chosen[-1] == MODEL  # its retry found it faster
+
+
+def test_a_smaller_bucket_s_winner_carries_within_reach():
+    v = Verdict(trial_steps=4, warmup_steps=0, retry_every=1000)
+    run(v, 1, 20, {MODEL: 1, LOOKUP: 3, PLAIN: 2})  # batch 1: lookups win
+    assert v.peek(2) == LOOKUP  # batch 2-3 starts where batch 1 ended
+    v.reach = 0
+    assert v.peek(2) == LOOKUP  # beyond reach: not the model, lookups
+
+
+def test_at_batch_1_a_verdict_against_the_model_holds_for_its_request_only():
+    v = Verdict(trial_steps=4, warmup_steps=0, retry_every=1000)
+    run(v, 1, 20, {MODEL: 1, LOOKUP: 3, PLAIN: 2}, key="a")
+    assert v.peek(1, key="a") == LOOKUP and v.peek(1, key="b") == MODEL
+    chosen = run(v, 1, 12, {MODEL: 5, LOOKUP: 3, PLAIN: 2}, key="b")
+    assert chosen[0] == MODEL and chosen[-1] == MODEL  # b drafts, and keeps drafting
+
+
+def test_sampled_steps_are_judged_apart_from_greedy_ones():
+    v = Verdict(trial_steps=4, warmup_steps=0, retry_every=1000)
+    run(v, 1, 20, {MODEL: 3, LOOKUP: 2, PLAIN: 1})
+    run(v, 1, 20, {MODEL: 1, LOOKUP: 2, PLAIN: 3}, sampled=True)
+    assert v.peek(1) == MODEL and v.peek(1, sampled=True) == PLAIN
+    assert set(v.rates()) >= {"1+model", "1s+plain"}
+
+
+def test_without_lookups_two_modes_and_a_step_count_per_mode():
+    v = Verdict(modes=(MODEL, PLAIN), trial_steps=4, warmup_steps=0, retry_every=1000)
+    chosen = run(v, 1, 20, {MODEL: 1, PLAIN: 2})
+    assert LOOKUP not in chosen and chosen[-1] == PLAIN
+    assert v.steps[MODEL] + v.steps[PLAIN] == 20
+
+
+def test_the_model_s_warm_up_steps_are_not_measured():
+    v = Verdict(trial_steps=4, warmup_steps=3)
+    v.choose(1)
+    assert not v.observe(1, MODEL, 1, 0.1)  # the draft is catching up
+    assert v.observe(1, LOOKUP, 1, 0.1)
