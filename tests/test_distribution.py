@@ -23,6 +23,7 @@ from scipy.stats import chi2_contingency
 
 from duo_vllm.cli import speculative_config
 from tests.conftest import run_vllm
+from duo_vllm.config import nest_tuning
 
 pytestmark = pytest.mark.e2e
 
@@ -87,7 +88,8 @@ MODES = {
 
 
 def duo_spec(mode: str, model: str = "duo_vllm.DuoProposer") -> dict:
-    return dict(speculative_config(4, {"max_sequences": 16, **MODES[mode]}), model=model)
+    return dict(speculative_config(4, nest_tuning({"max_sequences": 16, **MODES[mode]})),
+                model=model)
 
 
 def test_duo_sampling_matches_plain_distribution(session_tmp, target_dir, plain_samples):

@@ -3,6 +3,7 @@
 import pytest
 
 from duo_vllm.cli import speculative_config
+from duo_vllm.config import nest_tuning
 from tests.conftest import E2E_ENV, run_vllm
 
 pytestmark = pytest.mark.e2e
@@ -31,13 +32,15 @@ COMBOS = {
     # (a fixed budget: "serial" here, and pre-drafted branch trees under sampling,
     # tests/test_distribution.py)
     # the target bound to both cores lends core 1 to the draft while it drafts
-    # (duo_vllm/host/lending.py): its thread count switches between steps
-    "lend": ({"draft_cores": [1]}, True),
+    # (duo_vllm/host/lending.py): its thread count switches between steps; then four
+    # prompts at once, above max_batch: no draft work for them (THEN_BATCHED)
+    "lend": ({"draft_cores": [1], "max_batch": 1}, True),
 }
 ENV = {"lend": {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}}
 
 
 LOOKUP_K = {"parallel-multi-auto": 8}
+THEN_BATCHED = {"lend": 4}  # prompts asked at once after the others, in the same engine
 AGAIN = {"parallel-multi-auto": 3}  # prompts asked again after the ten
 
 
@@ -50,7 +53,9 @@ def test_greedy_output_equals_plain_vllm(combo, session_tmp, target_dir, specben
                    prompts=specbench_chat + specbench_chat[:again],
                    max_tokens=64, sequential=sequential,
                    env={**E2E_ENV, **ENV.get(combo, {})},
-                   speculative_config=speculative_config(LOOKUP_K.get(combo, 4), duo_cfg))
+                   then_batched=specbench_chat[:THEN_BATCHED.get(combo, 0)],
+                   speculative_config=speculative_config(LOOKUP_K.get(combo, 4),
+                                                         nest_tuning(duo_cfg)))
     assert len(specbench_chat) >= 10
     want_ids = plain_greedy["token_ids"] + plain_greedy["token_ids"][:again]
     assert len(duo["token_ids"]) == len(want_ids)
@@ -91,6 +96,14 @@ def test_greedy_output_equals_plain_vllm(combo, session_tmp, target_dir, specben
                 duo["log"][-3000:]
             assert stats["matmul_remakes"] <= (stats["lend_switches"] + 1) // 2, stats
         assert stats["lend_switches"] >= 1, stats
+        # four requests at once, above max_batch 1: the same tokens as plain vLLM, and
+        # no call to the draft actor on a step above the cap
+        assert duo["then_token_ids"] == plain_greedy["token_ids"][:4]
+        before = duo["draft_stats_before_batched"]
+        capped, calls, steps = (stats[k] - before[k] for k in
+                                ("capped_steps", "propose_calls", "propose_steps"))
+        assert before["capped_steps"] == 0 and capped > 0, stats
+        assert calls <= steps - capped, (before, stats)
         return
     if duo_cfg.get("parallel", True):
         assert stats["predraft_hit_rate"] > 0.3, stats  # drafts served without waiting

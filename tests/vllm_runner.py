@@ -5,7 +5,8 @@
 request.json: {"target", "prompts" (chat-formatted text), "max_tokens",
 "temperature", "top_p", "speculative_config" (or null), "env" (extra
 variables), "max_model_len", "max_num_seqs", "dtype" (default float32: the
-default target's own dtype), "n", "seed" or "seeds" (one per prompt), "eager" (vLLM's enforce_eager)}. Keeping each engine in a process of its own
+default target's own dtype), "n", "seed" or "seeds" (one per prompt), "eager" (vLLM's enforce_eager),
+"then_batched" (prompts generated all at once after the others, in the same engine)}. Keeping each engine in a process of its own
 isolates the tests from vLLM's process and signal handling, and frees all
 of an engine's memory and Ray processes when it exits.
 """
@@ -41,7 +42,12 @@ def main() -> int:
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in req["prompts"]]
     else:
         outs = llm.generate(req["prompts"], params, use_tqdm=False)
-    result = {
+    result = {}
+    if req.get("then_batched"):  # prompts asked all at once afterwards, in the same engine
+        result["draft_stats_before_batched"] = draft_stats(llm)
+        then = llm.generate(req["then_batched"], params, use_tqdm=False)
+        result["then_token_ids"] = [[list(c.token_ids) for c in o.outputs] for o in then]
+    result |= {
         "token_ids": [[list(c.token_ids) for c in o.outputs] for o in outs],
         "text": [[c.text for c in o.outputs] for o in outs],
         "metrics": spec_decode_metrics(llm),
