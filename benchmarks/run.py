@@ -160,7 +160,8 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         return after
     d = {k: after.get(k, 0) - before.get(k, 0) for k in
          ("requests", "predraft_hits", "predraft_lookups", "steps", "returned_tokens",
-          "floor_steps", "no_slot", "probes", "short_lived", "gate_plain_steps", "gate_no_draft_steps", "lookup_rows",
+          "floor_steps", "no_slot", "probes", "short_lived", "gate_plain_steps", "gate_no_draft_steps",
+          "capped_steps", "lookup_rows",
           "propose_steps", "propose_total_s",
          "lookup_tokens_served", "lookup_tokens_accepted", "model_tokens_served",
          "model_tokens_accepted", "busy_s", "prefill_tokens", "predraft_tokens", "sync_tokens",
@@ -177,9 +178,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         "gate_no_draft_steps": d["gate_no_draft_steps"],
         "gate_tokens_per_s": after.get("gate_tokens_per_s"),
         "gate_log": after.get("gate_log"),
-        # batch 1 greedy, lookups alone: the gate's replay of them (duo_vllm/control/shadow.py)
-        # against what they measured, since the engine started
-        "shadow_check": after.get("shadow_check"),
+        "capped_steps": d["capped_steps"],
         "no_slot": d["no_slot"], "probes": d["probes"], "short_lived": d["short_lived"],
         "sources": {src: {"served": d[f"{src}_tokens_served"],
                           "accepted": d[f"{src}_tokens_accepted"]} for src in ("lookup", "model")},
@@ -522,7 +521,7 @@ def summarise(results: dict) -> dict:
                     "gate_tokens_per_s", "draft_busy_s", "propose_ms_per_step", "sources", "lookup_rows", "source_alpha",
                     "lent_steps", "lend_switches", "matmul_remakes", "matmul_remakes_skipped",
                     "lent_prefills", "drawn_tokens",
-                    "gate_log", "shadow_check", "predraft_misses", "hedged_roots", "deep_hits",
+                    "gate_log", "capped_steps", "predraft_misses", "hedged_roots", "deep_hits",
                     "shorter_roots", "hedges", "hedge_hits", "extended", "cache_hits",
                     "cache_tokens")}
             if s["temperature"] == 0.0 and key in ref_shapes:
@@ -656,14 +655,6 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                     f" ({_f(v['accepted'] / v['served'] if v['served'] else None, '{:.0%}')})"
                     for k, v in src.items()) + f"; rows with a lookup match {c['lookup_rows']}; "
                     f"greedy α per token (all proposals, served or not) {c.get('source_alpha')}")
-            check = c.get("shadow_check") or {}
-            if check.get("steps_tokens"):
-                lines.append(
-                    f"- {name} shadow (batch 1 greedy, lookups alone replayed on the tokens "
-                    f"they produced, at the lent step's cost): "
-                    f"{_f(check.get('shadow_tokens_per_s'), '{:.1f}')} tok/s against "
-                    f"{_f(check.get('measured_tokens_per_s'), '{:.1f}')} measured, over "
-                    f"{check['steps_tokens']:.0f} tokens")
         lines.append("")
     b1 = summary.get("batch1-t0", {})
     if b1:
