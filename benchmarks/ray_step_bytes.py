@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 from duo_vllm.runtime.delta import Delta, DeltaReceiver, DeltaSender, Drafts
+from duo_vllm.runtime.message import StepRequest
 
 
 class StandInActor:
@@ -40,9 +41,9 @@ class StandInActor:
         self.receiver = DeltaReceiver()
         self.decode_s: list[float] = []
 
-    def propose(self, contexts, max_tokens, target_step_s=None, temperatures=None,
-                per_token_s=None, hints=None, remaining=None):
+    def propose(self, step: StepRequest):
         t0 = time.perf_counter()
+        contexts = step.contexts
         if isinstance(contexts, Delta):
             full, resend = self.receiver.decode(contexts)
         else:
@@ -86,7 +87,7 @@ def run_batch(ray, batch: int, context: int, steps: int, warmup: int, seed: int)
             payload, actor = contexts, full_actor
         else:
             payload, actor = sender.encode(keys, contexts), delta_actor
-        drafts = ray.get(actor.propose.remote(payload, budgets, 0.05, None, None, None))
+        drafts = ray.get(actor.propose.remote(StepRequest(payload, budgets, 0.05)))
         ms = 1e3 * (time.perf_counter() - t0)
         assert len(drafts) == batch and not getattr(drafts, "resend", [])
         return payload, ms

@@ -15,6 +15,7 @@ import pytest
 
 from duo_vllm.runtime.channel import NoAnswer, RemoteError
 from duo_vllm.runtime.client import AUTO_TIMEOUT_FIRST_S, ActorClient, _actor_gone, auto_timeout
+from duo_vllm.runtime.message import StepRequest
 
 log = logging.getLogger("test_client")
 
@@ -58,11 +59,11 @@ class FakeWorker:
         if wait:
             time.sleep(self.delay)  # the decode call under way
 
-    def propose(self, contexts, budgets, step_s):
+    def propose(self, step):
         if getattr(self, "broken", False):
             raise ValueError("a bug in the drafter")
         time.sleep(self.delay)
-        return [[len(c)] * b for c, b in zip(contexts, budgets)]
+        return [[len(c)] * b for c, b in zip(step.contexts, step.budgets)]
 
 
 class SocketFakeWorker(FakeWorker):
@@ -107,7 +108,7 @@ def make_client(ray_local, worker=FakeWorker, timeout="auto", max_restarts=2, **
 def propose_until(client, want, timeout=30.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        out = client.propose([[1, 2, 3]], [2], 0.05)
+        out = client.propose(StepRequest([[1, 2, 3]], [2], 0.05))
         if (out is not None) == want:
             return out
         time.sleep(0.05)
@@ -116,7 +117,7 @@ def propose_until(client, want, timeout=30.0):
 
 def test_a_killed_actor_is_replaced_and_drafting_resumes(ray_local, worker, caplog):
     client, created = make_client(ray_local, worker)
-    assert client.propose([[1, 2, 3]], [2], 0.05) == [[3, 3]]
+    assert client.propose(StepRequest([[1, 2, 3]], [2], 0.05)) == [[3, 3]]
     pid = client.info["pid"]
     os.kill(pid, signal.SIGKILL)
     with caplog.at_level(logging.WARNING, logger="test_client"):
@@ -132,11 +133,11 @@ def test_prefetch_never_waits_nor_queues_behind_a_late_call_and_pause_queues_onc
     client, _ = make_client(ray_local, worker, timeout=0.2)
     assert client.prefetch([[1, 2, 3], [4]])  # handed over, in order before the next call
     assert client.pause()  # the gate turned drafting off
-    assert client.propose([[1, 2, 3]], [1], 0.05) == [[3]]
+    assert client.propose(StepRequest([[1, 2, 3]], [1], 0.05)) == [[3]]
     assert client.call("get_prefetched") == [3, 1, "paused"]
     client.call("set_delay", 0.6)
     t0 = time.perf_counter()
-    assert client.propose([[1]], [1], 0.05) is None  # late: still in flight
+    assert client.propose(StepRequest([[1]], [1], 0.05)) is None  # late: still in flight
     assert not client.prefetch([[9]])  # not queued behind a late call
     assert client.pause()  # queued: the actor drops its work once the late call ends
     assert not client.pause()  # ... once
@@ -148,7 +149,7 @@ def test_prefetch_never_waits_nor_queues_behind_a_late_call_and_pause_queues_onc
 
 def test_a_pause_before_a_lend_waits_for_the_actor_but_a_bounded_while(ray_local, worker):
     client, _ = make_client(ray_local, worker, timeout=0.5)
-    assert client.propose([[1, 2, 3]], [1], 0.05) == [[3]]
+    assert client.propose(StepRequest([[1, 2, 3]], [1], 0.05)) == [[3]]
     client.call("set_delay", 0.2)  # its decode call under way ends in 0.2 s
     t0 = time.perf_counter()
     assert client.pause(wait_s=1.0)
@@ -161,14 +162,15 @@ def test_a_pause_before_a_lend_waits_for_the_actor_but_a_bounded_while(ray_local
 
 def test_a_stalled_actor_costs_one_bounded_wait(ray_local, worker, caplog):
     client, _ = make_client(ray_local, worker, timeout=0.2)
-    assert client.propose([[1]], [1], 0.05) == [[1]]
+    assert client.propose(StepRequest([[1]], [1], 0.05)) == [[1]]
     client.call("set_delay", 1.5)
     with caplog.at_level(logging.WARNING, logger="test_client"):
         t0 = time.perf_counter()
-        assert client.propose([[1]], [1], 0.05) is None  # waits 0.2 s, not 1.5 s
+        assert client.propose(StepRequest([[1]], [1], 0.05)) is None  # waits 0.2 s, not 1.5 s
         waited = time.perf_counter() - t0
         t1 = time.perf_counter()
-        assert client.propose([[1]], [1], 0.05) is None  # the late call is still in flight
+        # the late call is still in flight
+        assert client.propose(StepRequest([[1]], [1], 0.05)) is None
         again = time.perf_counter() - t1
         client.submit("set_delay", 0.0)  # runs once the late call is done
         # steps go on without drafts; past STALL_WARN_S a warning, then drafting resumes
@@ -182,7 +184,7 @@ def test_a_slow_answer_is_counted_not_logged(ray_local, worker, caplog):
     client, _ = make_client(ray_local, worker, timeout=0.2)
     client.call("set_delay", 0.4)  # late, but no stall
     with caplog.at_level(logging.WARNING, logger="test_client"):
-        assert client.propose([[1]], [1], 0.05) is None
+        assert client.propose(StepRequest([[1]], [1], 0.05)) is None
         client.submit("set_delay", 0.0)
         assert propose_until(client, want=True) == [[3, 3]]
     assert client.timeouts == 1 and caplog.text == ""
@@ -192,9 +194,9 @@ def test_a_drafter_bug_means_plain_decoding_for_good(ray_local, worker, caplog):
     client, _ = make_client(ray_local, worker)
     client.call("set_broken")  # the next call raises inside the actor
     with caplog.at_level(logging.ERROR, logger="test_client"):
-        assert client.propose([[1]], [1], 0.05) is None
+        assert client.propose(StepRequest([[1]], [1], 0.05)) is None
     assert client.disabled and "falling back to plain decoding for good" in caplog.text
-    assert client.propose([[1]], [1], 0.05) is None
+    assert client.propose(StepRequest([[1]], [1], 0.05)) is None
 
 
 def test_ray_failures_restart_the_actor_and_drafter_bugs_do_not():
@@ -228,7 +230,7 @@ def test_restarts_are_bounded(ray_local, worker, caplog):
     with caplog.at_level(logging.ERROR, logger="test_client"):
         deadline = time.monotonic() + 30
         while not client.disabled and time.monotonic() < deadline:
-            assert client.propose([[1]], [1], 0.05) is None or not client.disabled
+            assert client.propose(StepRequest([[1]], [1], 0.05)) is None or not client.disabled
             time.sleep(0.05)
     assert client.disabled and len(created) == 2
     assert "failed after 1 restart(s)" in caplog.text

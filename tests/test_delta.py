@@ -12,6 +12,7 @@ import pytest
 from duo_vllm.config import DuoConfig
 from duo_vllm.runtime.delta import Delta, DeltaReceiver, DeltaSender, Drafts
 from duo_vllm.vllm.proposer import DuoProposer
+from duo_vllm.runtime.message import StepRequest
 from tests.fakes import FakeBackend
 
 
@@ -195,9 +196,9 @@ def worker(parallel=False):
     seen = []
     real = w.drafter.propose
 
-    def spy(contexts, *args, **kw):
-        seen.append([np.array(c) for c in contexts])
-        return real(contexts, *args, **kw)
+    def spy(step, *args, **kw):
+        seen.append([np.array(c) for c in step.contexts])
+        return real(step, *args, **kw)
 
     w.drafter.propose = spy
     return be, w, seen
@@ -208,24 +209,25 @@ def test_the_worker_gives_the_drafter_full_contexts_and_drafts_as_before():
     sender = DeltaSender()
     ctx = [np.arange(1, 12, dtype=np.int32), np.arange(20, 35, dtype=np.int32)]
     for _ in range(4):
-        drafts = w.propose(sender.encode(["a", "b"], ctx), [3, 3], 0.05)
+        drafts = w.propose(StepRequest(sender.encode(["a", "b"], ctx), [3, 3], 0.05))
         # nothing to resend; serial: nothing runs beside the target's step (its cores idle)
         assert drafts.resend == [] and drafts.idle
         assert drafts == [be.chain(int(c[-1]), 3) for c in ctx]
         for got, want in zip(seen[-1], ctx):
             np.testing.assert_array_equal(got, want)
         ctx = [np.append(c, np.int32(be.next_token(int(c[-1])))) for c in ctx]
-    assert w.propose([ctx[0]], [3], 0.05) == [be.chain(int(ctx[0][-1]), 3)]  # full contexts too
+    # full contexts too
+    assert w.propose(StepRequest([ctx[0]], [3], 0.05)) == [be.chain(int(ctx[0][-1]), 3)]
 
 
 def test_the_worker_drafts_the_rows_it_holds_and_asks_for_the_others():
     be, w, seen = worker()
     sender = DeltaSender()
     a, b = np.arange(1, 12, dtype=np.int32), np.arange(20, 35, dtype=np.int32)
-    w.propose(sender.encode(["a", "b"], [a, b]), [3, 3], 0.05)
+    w.propose(StepRequest(sender.encode(["a", "b"], [a, b]), [3, 3], 0.05))
     w._contexts._held.pop("a")  # as if this worker had never seen "a"
     a, b = np.append(a, np.int32(7)), np.append(b, np.int32(8))
-    drafts = w.propose(sender.encode(["a", "b"], [a, b]), [2, 3], 0.05, [0.0, 0.5])
+    drafts = w.propose(StepRequest(sender.encode(["a", "b"], [a, b]), [2, 3], 0.05, [0.0, 0.5]))
     assert drafts == [[], be.chain(8, 3)] and drafts.resend == ["a"]
     assert len(seen[-1]) == 1  # only "b" reached the drafter
     np.testing.assert_array_equal(seen[-1][0], b)
@@ -236,18 +238,18 @@ def test_a_step_that_cannot_wait_leaves_decoded_contexts_and_the_next_delta_work
     try:
         sender = DeltaSender()
         ctx = [np.arange(1, 12, dtype=np.int32)]
-        w.propose(sender.encode(["a"], ctx), [3], 0.05)
+        w.propose(StepRequest(sender.encode(["a"], ctx), [3], 0.05))
         assert w.wait_idle()
         ctx = [np.append(ctx[0], np.int32(5))]
         with w._lock:  # the drafter is busy: this step goes without a draft
-            drafts = w.propose(sender.encode(["a"], ctx), [3], 0.05)
+            drafts = w.propose(StepRequest(sender.encode(["a"], ctx), [3], 0.05))
             assert drafts == [[]] and not hasattr(drafts, "resend")
-            np.testing.assert_array_equal(w._stash[0][0], ctx[0])  # full, for the pre-draft
+            np.testing.assert_array_equal(w._stash.contexts[0], ctx[0])  # full, for the pre-draft
         assert w.wait_idle()
         ctx = [np.append(ctx[0], np.int32(6))]
         delta = sender.encode(["a"], ctx)
         assert delta.starts == [12]
-        assert w.propose(delta, [3], 0.05) == [be.chain(6, 3)]
+        assert w.propose(StepRequest(delta, [3], 0.05)) == [be.chain(6, 3)]
         np.testing.assert_array_equal(seen[-1][0], ctx[0])
     finally:
         w.close()
@@ -266,7 +268,8 @@ class FakeClient:
         self.receiver = DeltaReceiver()
         self.restarts += noticed
 
-    def propose(self, delta, budgets, step_s, *args):
+    def propose(self, step):
+        delta = step.contexts
         self.deltas.append(delta)
         if not self.answer:  # stalled, restarting: the call may never reach the actor
             return None

@@ -14,6 +14,7 @@ from duo_vllm.config import (
     DRAFT_KV_TOKENS, LLAMA_MAX_SEQ, MAX_DEFAULT_SEQUENCES, DuoConfig, DuoConfigError,
     derive_draft_limits,
 )
+from duo_vllm.runtime.message import StepRequest
 from tests.fakes import FakeBackend
 from tests.test_gpu_server import FakeLlamaCpp
 
@@ -112,7 +113,7 @@ def test_the_actor_follows_vllm():
         assert (w.drafter.n_ctx, w.drafter.pool.size) == (8192, 8)  # before: 2048, 8
         assert w.info()["max_sequences"] == 8
         long_ctx = np.arange(5000, dtype=np.int32) % 50
-        assert w.propose([long_ctx], [3]) != [[]]  # before: past n_ctx 2048, no draft
+        assert w.propose(StepRequest([long_ctx], [3])) != [[]]  # before: past n_ctx 2048, no draft
     finally:
         w.close()
     w = worker(DuoConfig(parallel=False).follow_vllm(vllm_config(64, 32768)), ShortTrainedFake)

@@ -3,6 +3,7 @@ import pytest
 
 from duo_vllm.draft.drafter import DraftPolicy, DuoDrafter
 from duo_vllm.control.goodput import PROBE_EVERY
+from duo_vllm.runtime.message import StepRequest
 from tests.fakes import FakeBackend
 
 
@@ -23,17 +24,17 @@ def make(policy, backend=None, n_ctx=100, seqs=4):
 
 def test_serial_greedy_chain_follows_argmax():
     be, d = make(serial())
-    (draft,) = d.propose([ctx(1, 2, 3)], [4])
+    (draft,) = d.propose(StepRequest([ctx(1, 2, 3)], [4]))
     assert draft == be.chain(3, 4)
     assert d.jobs == []  # serial: nothing is pre-drafted
 
 
 def test_only_new_tokens_are_evaluated():
     be, d = make(serial(k=3))
-    (draft,) = d.propose([ctx(1, 2, 3)], [3])
+    (draft,) = d.propose(StepRequest([ctx(1, 2, 3)], [3]))
     be.evaluated.clear()
     # the target accepted the first two draft tokens and sampled 9
-    (draft2,) = d.propose([ctx(1, 2, 3, draft[0], draft[1], 9)], [3])
+    (draft2,) = d.propose(StepRequest([ctx(1, 2, 3, draft[0], draft[1], 9)], [3]))
     assert be.evaluated[0][1:] == ([9], 5)  # only the new token, at its position
     assert draft2 == be.chain(9, 3)
     assert d.stats.reused_tokens == 5
@@ -41,24 +42,24 @@ def test_only_new_tokens_are_evaluated():
 
 def test_fully_known_context_reevaluates_last_token_for_logits():
     be, d = make(serial(k=3), seqs=1)
-    d.propose([ctx(1, 2, 3)], [3])
+    d.propose(StepRequest([ctx(1, 2, 3)], [3]))
     be.evaluated.clear()
-    (draft,) = d.propose([ctx(1, 2, 3)], [2])
+    (draft,) = d.propose(StepRequest([ctx(1, 2, 3)], [2]))
     assert be.evaluated[0][1:] == ([3], 2)
     assert draft == be.chain(3, 2)
 
 
 def test_rows_are_drafted_in_one_decode_per_depth():
     be, d = make(serial(k=3))
-    out = d.propose([ctx(1, 2), ctx(10, 11, 12)], [2, 3])
+    out = d.propose(StepRequest([ctx(1, 2), ctx(10, 11, 12)], [2, 3]))
     assert out == [be.chain(2, 2), be.chain(12, 3)]
     assert be.decode_calls == 3  # catch-up for both, then 2 more depths
 
 
 def test_context_too_long_or_zero_budget_gets_no_draft():
     be, d = make(serial(k=5), n_ctx=5)
-    assert d.propose([ctx(1, 2, 3, 4), ctx(1)], [2, 0]) == [[], []]
-    assert d.propose([ctx(1, 2, 3)], [5]) == [be.chain(3, 1)]  # clamped to fit n_ctx
+    assert d.propose(StepRequest([ctx(1, 2, 3, 4), ctx(1)], [2, 0])) == [[], []]
+    assert d.propose(StepRequest([ctx(1, 2, 3)], [5])) == [be.chain(3, 1)]  # clamped to fit n_ctx
 
 
 def test_backend_error_gives_no_draft_and_resets_slot():
@@ -67,15 +68,15 @@ def test_backend_error_gives_no_draft_and_resets_slot():
             raise RuntimeError("boom")
 
     _, d = make(serial(), backend=Broken(), seqs=1)
-    assert d.propose([ctx(1, 2)], [3]) == [[]]
+    assert d.propose(StepRequest([ctx(1, 2)], [3])) == [[]]
     assert d.stats.errors == 1 and len(d.pool.slots[0].tokens) == 0
 
 
 def test_fixed_budget_sets_the_chain_length():
     be, d = make(serial(k=4, budget=2))
-    assert d.propose([ctx(1, 2)], [4]) == [be.chain(2, 2)]
+    assert d.propose(StepRequest([ctx(1, 2)], [4])) == [be.chain(2, 2)]
     _, d0 = make(serial(k=4, budget=0))
-    assert d0.propose([ctx(1, 2)], [4]) == [[]]
+    assert d0.propose(StepRequest([ctx(1, 2)], [4])) == [[]]
 
 
 # -- parallel: pre-drafting and branches ---------------------------------------
@@ -86,13 +87,13 @@ def parallel(k=3, **kw):
 
 def test_predraft_hit_serves_the_branch_without_evaluating():
     be, d = make(parallel(multi_sequence=False))
-    (draft,) = d.propose([ctx(1, 2)], [3])
+    (draft,) = d.propose(StepRequest([ctx(1, 2)], [3]))
     d.predraft()
     tree = d.trees[0]
     b = be.next_token(draft[-1])  # the target accepts everything and samples b
     assert tree.branches[0].tokens[0] == b
     be.evaluated.clear()
-    (draft2,) = d.propose([ctx(1, 2, *draft, b)], [3])
+    (draft2,) = d.propose(StepRequest([ctx(1, 2, *draft, b)], [3]))
     assert draft2 == be.chain(b, 3)
     assert be.evaluated == []  # nothing evaluated on the critical path
     assert d.stats.predraft_hits == 1
@@ -101,19 +102,19 @@ def test_predraft_hit_serves_the_branch_without_evaluating():
 
 def test_partial_accept_is_a_miss_and_drafts_from_the_real_context():
     be, d = make(parallel(multi_sequence=False))
-    (draft,) = d.propose([ctx(1, 2)], [3])
+    (draft,) = d.propose(StepRequest([ctx(1, 2)], [3]))
     d.predraft()
-    (draft2,) = d.propose([ctx(1, 2, draft[0], 44)], [3])  # rejected at position 2
+    (draft2,) = d.propose(StepRequest([ctx(1, 2, draft[0], 44)], [3]))  # rejected at position 2
     assert draft2 == be.chain(44, 3)
     assert d.stats.predraft_hits == 0 and d.stats.predraft_lookups == 1
     assert d.stats.misses == {"unplanned": 1, "rejected": 1}
     d.predraft()
     assert list(d.trees[0].prefix) == [1, 2, draft[0], 44, *draft2]
     # the target accepts the draft but its next token is on no branch
-    d.propose([ctx(1, 2, draft[0], 44, *draft2, 99)], [3])
+    d.propose(StepRequest([ctx(1, 2, draft[0], 44, *draft2, 99)], [3]))
     assert d.stats.misses["bonus"] == 1
     # a pre-draft planned but never run (vLLM came back first): no tree, cut
-    d.propose([ctx(1, 2, draft[0], 44, *draft2, 99, 5)], [3])
+    d.propose(StepRequest([ctx(1, 2, draft[0], 44, *draft2, 99, 5)], [3]))
     assert d.stats.misses["cut"] == 1 and d.stats.as_dict()["predraft_misses"]["cut"] == 1
 
 
@@ -136,25 +137,26 @@ def test_theta_rule_opens_branches_and_a_second_branch_can_hit():
     theta = p1[20] * p2.max()
     assert p1[21] > theta > p1[22]  # the hand-built case is what the comment says
     _, d = make(parallel(k=3, budget=4, multi_sequence=True), backend=be)
-    assert d.propose([ctx(1, 9)], [1]) == [[5]]
+    assert d.propose(StepRequest([ctx(1, 9)], [1])) == [[5]]
     d.predraft()  # pre-drafts for the position after 5
     tree = d.trees[0]
     assert [br.tokens[0] for br in tree.branches] == [20, 21]
     assert d.stats.branch_counts[2] == 1
     be.evaluated.clear()
-    (draft,) = d.propose([ctx(1, 9, 5, 21)], [3])  # the target sampled the 2nd candidate
+    # the target sampled the 2nd candidate
+    (draft,) = d.propose(StepRequest([ctx(1, 9, 5, 21)], [3]))
     assert len(draft) >= 1 and draft == be.chain(21, len(draft))
     assert be.evaluated == [] and d.stats.branch_hits[1] == 1
     assert be.seqs[0][:4] == [1, 9, 5, 21]  # the branch became the request's sequence
     d.predraft()
-    (draft2,) = d.propose([ctx(1, 9, 5, 21, *draft, be.next_token(draft[-1]))], [3])
+    (draft2,) = d.propose(StepRequest([ctx(1, 9, 5, 21, *draft, be.next_token(draft[-1]))], [3]))
     assert d.stats.predraft_hits == 2
 
 
 def test_multi_sequence_off_keeps_one_branch():
     be = unsure_backend()
     _, d = make(parallel(k=3, budget=4, multi_sequence=False), backend=be)
-    d.propose([ctx(1, 9)], [1])
+    d.propose(StepRequest([ctx(1, 9)], [1]))
     d.predraft()
     assert [br.tokens[0] for br in d.trees[0].branches] == [20]
     # capped at k=3 evaluations: the candidate plus a full draft of 3
@@ -163,7 +165,7 @@ def test_multi_sequence_off_keeps_one_branch():
 
 def test_predraft_stops_when_interrupted():
     be, d = make(parallel(k=3, budget=3, multi_sequence=False))
-    d.propose([ctx(1, 2)], [3])
+    d.propose(StepRequest([ctx(1, 2)], [3]))
     calls = []
     d.predraft(interrupt=lambda: calls.append(1) or len(calls) > 1)
     assert d.stats.interrupted == 1
@@ -178,7 +180,7 @@ def test_sequences_stay_consistent_over_many_steps():
                    policy=DraftPolicy(k=4, parallel=True, budget=4, multi_sequence=True))
     seqs = [[1, 2], [40, 41, 42]]
     for _ in range(60):
-        drafts = d.propose([ctx(*s) for s in seqs], [4, 4])
+        drafts = d.propose(StepRequest([ctx(*s) for s in seqs], [4, 4]))
         for s, dr in zip(seqs, drafts):
             n_acc = rng.integers(0, len(dr) + 1)
             s.extend(dr[:n_acc])
@@ -212,7 +214,7 @@ def auto(**kw):
 def test_controller_pre_drafts_what_fits_the_step_and_stops_at_the_deadline():
     be, d = make(auto())
     d.draft_time = FixedDraftTime(0.010)
-    d.propose([ctx(1, 2)], [4], target_step_s=0.05, per_token_s=0.002)
+    d.propose(StepRequest([ctx(1, 2)], [4], 0.05, per_token_s=0.002))
     # the deadline is the step under way, as planned: T₀ + c · (tokens served)
     served = d.last_draft[0][1]
     assert d.deadline_after(10.0) == pytest.approx(10.05 + 0.002 * len(served))
@@ -226,14 +228,14 @@ def _one_deep_hit(draft_call_s):
     """A pre-draft one token deep (its deadline came), then the step that hits it."""
     be, d = make(auto())
     d.draft_time = FixedDraftTime(0.002)
-    (draft,) = d.propose([ctx(1, 2)], [4], target_step_s=0.05, per_token_s=0.0005)
+    (draft,) = d.propose(StepRequest([ctx(1, 2)], [4], 0.05, per_token_s=0.0005))
     b = be.next_token((draft or [2])[-1])  # the target accepts the draft and samples b
     d.jobs[0].evals = 1
     d.predraft()
     assert d.trees[0].branches[0].tokens == [b, be.next_token(b)]
     d.draft_time = FixedDraftTime(draft_call_s)
     calls = be.decode_calls
-    (draft2,) = d.propose([ctx(1, 2, *draft, b)], [4], target_step_s=0.05, per_token_s=0.0005)
+    (draft2,) = d.propose(StepRequest([ctx(1, 2, *draft, b)], [4], 0.05, per_token_s=0.0005))
     return be, d, b, draft2, be.decode_calls - calls
 
 
@@ -258,14 +260,14 @@ def test_a_sampled_hit_is_drafted_on_only_where_its_tokens_were_drawn():
     branch of argmax tokens (no q) is never extended with drawn ones."""
     be, d = make(auto(sampled_drafts=True))
     d.draft_time = FixedDraftTime(0.002)
-    d.propose([ctx(1, 2)], [4], target_step_s=0.05, per_token_s=0.0005, temperatures=[0.0])
+    d.propose(StepRequest([ctx(1, 2)], [4], 0.05, [0.0], 0.0005))
     d.jobs[0].evals = 1
     d.jobs[0].temperature = 0.7  # an argmax branch, served to a request that samples
     d.predraft()
     tree = d.trees[0]
     tree.branches[0].q = [None]
-    (draft,) = d.propose([ctx(*tree.prefix, tree.branches[0].tokens[0])], [4],
-                         target_step_s=0.05, per_token_s=0.0005, temperatures=[0.7])
+    (draft,) = d.propose(StepRequest([ctx(*tree.prefix, tree.branches[0].tokens[0])], [4],
+                                     0.05, [0.7], 0.0005))
     assert len(draft) == 1 and d.last_q == [None] and d.stats.extended == 0
 
 
@@ -273,8 +275,8 @@ def test_controller_drafts_nothing_when_drafting_does_not_pay():
     be, d = make(auto())
     d.draft_time = FixedDraftTime(1.0)  # a draft call costs 20 target steps
     for i in range(3):
-        assert d.propose([ctx(1, 2, *range(3, 3 + i))], [4], target_step_s=0.05,
-                         per_token_s=0.002) == [[]]
+        assert d.propose(StepRequest([ctx(1, 2, *range(3, 3 + i))], [4], 0.05,
+                                     per_token_s=0.002)) == [[]]
         assert d.jobs == []  # and spends no draft work on the next step either
     assert be.decode_calls == 0
     assert d.stats.floor_steps == 3 and d.stats.chosen_lengths == {0: 3}
@@ -288,8 +290,8 @@ def test_a_miss_with_a_good_lookup_copy_is_not_drafted_on_the_spot():
     def step(hint):
         be, d = make(auto())
         d.draft_time = FixedDraftTime(0.012, 0.001)
-        (draft,) = d.propose([ctx(1, 2, 3)], [4], target_step_s=0.045, per_token_s=0.0015,
-                             hints=[hint])
+        (draft,) = d.propose(StepRequest([ctx(1, 2, 3)], [4], 0.045, per_token_s=0.0015,
+                                         hints=[hint]))
         return be, d, draft
 
     be, d, draft = step(None)  # no copy: drafted on the spot
@@ -309,7 +311,7 @@ def test_controller_verifying_too_expensive_gives_zero_then_probes():
     seq = [1, 2]
     steps = 0
     while not d.jobs:  # c = T₀: a verified token costs a whole step
-        assert d.propose([ctx(*seq)], [4], target_step_s=0.05, per_token_s=0.05) == [[]]
+        assert d.propose(StepRequest([ctx(*seq)], [4], 0.05, per_token_s=0.05)) == [[]]
         seq.append(be.next_token(seq[-1]))
         steps += 1
     assert steps == PROBE_EVERY and d.stats.probes == 1
@@ -324,7 +326,7 @@ def test_controller_never_probes_a_row_whose_prompt_is_not_evaluated():
     freeze_timings(d, token_s=0.015, prefill_s=0.006)
     seq = [(7 * i) % 50 for i in range(150)]  # a long prompt, never prefetched
     for _ in range(2 * PROBE_EVERY):  # c = T₀: a verified token costs a whole step
-        assert d.propose([ctx(*seq)], [4], target_step_s=0.05, per_token_s=0.05) == [[]]
+        assert d.propose(StepRequest([ctx(*seq)], [4], 0.05, per_token_s=0.05)) == [[]]
         assert d.jobs == []
         seq.append(be.next_token(seq[-1]))
     assert d.stats.probes == 0 and be.decode_calls == 0
@@ -338,18 +340,17 @@ def test_a_request_that_ends_before_the_draft_could_catch_up_is_left_to_the_targ
     d.draft_time = FixedDraftTime(0.001)
     freeze_timings(d, token_s=0.015, prefill_s=0.006)
     seq = [(7 * i) % 50 for i in range(150)]
-    assert d.propose([ctx(*seq)], [4], target_step_s=0.05, per_token_s=0.002,
-                     remaining=[10]) == [[]]
+    assert d.propose(StepRequest([ctx(*seq)], [4], 0.05, per_token_s=0.002, remaining=[10])) == [[]]
     assert d.jobs == [] and d.stats.short_lived == 1 and be.decode_calls == 0
     # the same request with 100 tokens to go (5 s): caught up in the background
-    assert d.propose([ctx(*seq, 1)], [4], target_step_s=0.05, per_token_s=0.002,
-                     remaining=[100]) == [[]]
+    assert d.propose(StepRequest([ctx(*seq, 1)], [4], 0.05, per_token_s=0.002,
+                                 remaining=[100])) == [[]]
     assert len(d.jobs) == 1 and d.stats.short_lived == 1
     # unknown: as before, caught up
     be, d = make(auto(), n_ctx=1000)
     d.draft_time = FixedDraftTime(0.001)
     freeze_timings(d, token_s=0.015, prefill_s=0.006)
-    d.propose([ctx(*seq)], [4], target_step_s=0.05, per_token_s=0.002)
+    d.propose(StepRequest([ctx(*seq)], [4], 0.05, per_token_s=0.002))
     assert len(d.jobs) == 1
 
 
@@ -358,8 +359,7 @@ def test_controller_serves_more_to_requests_that_accept_more():
     d.draft_time = FixedDraftTime(0.002)
     good, poor = [1, 2], [30, 31]
     for _ in range(12):
-        drafts = d.propose([ctx(*good), ctx(*poor)], [4, 4], target_step_s=0.05,
-                           per_token_s=0.004)
+        drafts = d.propose(StepRequest([ctx(*good), ctx(*poor)], [4, 4], 0.05, per_token_s=0.004))
         d.predraft()
         good += drafts[0] + [be.next_token((drafts[0] or good)[-1])]  # all accepted
         poor += [(poor[-1] + 1) % 50]  # the target never agrees with the draft
@@ -381,7 +381,8 @@ def test_long_new_context_is_prefilled_in_the_background_in_chunks():
                    policy=DraftPolicy(k=3, parallel=True, multi_sequence=False, budget=3))
     freeze_timings(d, token_s=0.015, prefill_s=0.006)
     prompt = ctx(*[(7 * i) % 50 for i in range(150)])
-    assert d.propose([prompt], [3]) == [[]]  # vLLM does not wait for a 150-token prefill
+    # vLLM does not wait for a 150-token prefill
+    assert d.propose(StepRequest([prompt], [3])) == [[]]
     assert be.evaluated == []
     calls = []
     # asked before each chunk: the third time, after two chunks, a step is waiting
@@ -390,11 +391,11 @@ def test_long_new_context_is_prefilled_in_the_background_in_chunks():
     # the next step: still prefilling, so again no draft; the prefill resumes where it was
     b = be.next_token(int(prompt[-1]))
     grown = np.append(prompt, np.int32(b))
-    assert d.propose([grown], [3]) == [[]]
+    assert d.propose(StepRequest([grown], [3])) == [[]]
     be.evaluated.clear()
     d.predraft()
     assert be.evaluated[0][2] == 2 * d.PREFILL_CHUNK  # resumed, not restarted
-    (draft,) = d.propose([np.append(grown, np.int32(be.next_token(b)))], [3])
+    (draft,) = d.propose(StepRequest([np.append(grown, np.int32(be.next_token(b)))], [3]))
     assert draft == be.chain(be.next_token(b), 3) and d.stats.predraft_hits == 1
 
 
@@ -418,7 +419,7 @@ def test_new_prompts_share_prefill_chunks_shortest_first_and_hold_back_no_tree()
     assert chunks() == [(slot["b"], d.PREFILL_CHUNK)]  # the shorter long prompt first
     # the step: the short request is served from its tree, the others wait for theirs
     grown = [np.append(p, np.int32(be.next_token(int(p[-1])))) for p in prompts]
-    drafts = d.propose(grown, [3] * 3)
+    drafts = d.propose(StepRequest(grown, [3] * 3))
     assert drafts[2] == be.chain(int(grown[2][-1]), 3) and drafts[:2] == [[], []]
     d.predraft()
     assert sorted(d.trees) == sorted(slot.values())
@@ -426,7 +427,7 @@ def test_new_prompts_share_prefill_chunks_shortest_first_and_hold_back_no_tree()
     again = [np.append(g, np.int32(be.next_token(int(g[-1])))) for g in grown[:2]]
     accepted = np.concatenate([grown[2], drafts[2]])  # all of the short one's draft, + bonus
     again.append(np.append(accepted, np.int32(be.next_token(int(accepted[-1])))))
-    drafts = d.propose(again, [3] * 3)
+    drafts = d.propose(StepRequest(again, [3] * 3))
     assert drafts[:2] == [be.chain(int(g[-1]), 3) for g in again[:2]]
     assert d.stats.predraft_hits == 4
 
@@ -460,18 +461,18 @@ def test_worker_never_makes_vllm_wait_for_a_prefill():
     freeze_timings(w.drafter, token_s=0.02, prefill_s=0.02)
     try:
         prompt = ctx(*[(3 * i) % 50 for i in range(100)])  # 100 tokens: 2 s of prefill
-        assert w.propose([prompt], [3], 0.05) == [[]]
+        assert w.propose(StepRequest([prompt], [3], 0.05)) == [[]]
         time.sleep(0.1)  # the background prefill is under way
         seq = prompt
         for _ in range(3):  # vLLM decodes on without drafts, never blocked
             seq = np.append(seq, np.int32(be.next_token(int(seq[-1]))))
             t1 = time.perf_counter()
-            assert w.propose([seq], [3], 0.05) == [[]]
+            assert w.propose(StepRequest([seq], [3], 0.05)) == [[]]
             assert time.perf_counter() - t1 < 0.2
         assert w.drafter.stats.skipped_busy >= 1
         assert w.wait_idle(timeout=10)
         seq = np.append(seq, np.int32(be.next_token(int(seq[-1]))))
-        (draft,) = w.propose([seq], [3], 0.05)
+        (draft,) = w.propose(StepRequest([seq], [3], 0.05))
         assert draft == be.chain(int(seq[-1]), 3)
     finally:
         w.close()
@@ -485,7 +486,7 @@ def test_prefetched_prompt_is_prefilled_before_its_first_step_and_hits():
     assert len(d.pool.slots[0].tokens) >= len(prompt) and 0 in d.trees
     b = be.next_token(int(prompt[-1]))  # the token the target samples after its prefill
     be.evaluated.clear()
-    (draft,) = d.propose([np.append(prompt, np.int32(b))], [3])
+    (draft,) = d.propose(StepRequest([np.append(prompt, np.int32(b))], [3]))
     assert draft == be.chain(b, 3)  # served at the first step, nothing evaluated
     assert be.evaluated == [] and d.stats.predraft_hits == 1
     assert d.stats.steps == 1 and d.stats.prefetched_prompts == 1
@@ -501,7 +502,7 @@ def test_a_prefetched_slot_is_free_again_once_its_request_came_and_went():
     first = ctx(*[(7 * i) % 50 for i in range(40)])
     assert d.prefetch([first]) == 1
     d.predraft()
-    d.propose([np.append(first, np.int32(be.next_token(int(first[-1]))))], [3])
+    d.propose(StepRequest([np.append(first, np.int32(be.next_token(int(first[-1]))))], [3]))
     assert d.pool.slots[0].queued is None  # named by its request now, not by the prompt
     d.live = set()  # the request finished: the next step does not have it
     second = ctx(*[(3 * i + 1) % 50 for i in range(40)])
@@ -530,7 +531,7 @@ def test_worker_prefetch_returns_at_once_and_the_first_step_hits():
         assert time.perf_counter() - t0 < 0.05  # vLLM's step is not held up
         assert w.wait_idle(timeout=10)  # meanwhile the target prefills
         b = be.next_token(int(prompt[-1]))
-        (draft,) = w.propose([np.append(prompt, np.int32(b))], [3], 0.05)
+        (draft,) = w.propose(StepRequest([np.append(prompt, np.int32(b))], [3], 0.05))
         assert draft == be.chain(b, 3)
         s = w.stats()
         assert s["predraft_hits"] == 1 and s["prefetched_prompts"] == 1
@@ -549,7 +550,7 @@ def test_a_long_prompt_in_the_background_never_blanks_the_other_rows():
     freeze_timings(w.drafter, token_s=0.002, prefill_s=0.002)
     try:
         short = ctx(1, 2, 3)
-        assert w.propose([short], [2], 0.2) == [be.chain(3, 2)]  # a request decoding
+        assert w.propose(StepRequest([short], [2], 0.2)) == [be.chain(3, 2)]  # a request decoding
         assert w.wait_idle(timeout=10)
         long_prompt = ctx(*[(3 * i) % 50 for i in range(300)])
         assert w.prefetch([long_prompt]) == 1  # a new request: prefilled in the background
@@ -558,7 +559,7 @@ def test_a_long_prompt_in_the_background_never_blanks_the_other_rows():
         seq = np.append(seq, np.int32(be.next_token(int(seq[-1]))))
         for _ in range(3):  # steps while the prompt is still being prefilled
             grown = np.append(long_prompt, np.int32(be.next_token(int(long_prompt[-1]))))
-            drafts = w.propose([seq, grown], [2, 2], 0.2)
+            drafts = w.propose(StepRequest([seq, grown], [2, 2], 0.2))
             assert drafts[0] == be.chain(int(seq[-1]), 2)  # served, not blanked
             seq = np.concatenate([seq, drafts[0]])
             seq = np.append(seq, np.int32(be.next_token(int(seq[-1]))))
@@ -576,7 +577,7 @@ def test_serial_controller_probes_a_quiet_request_on_the_spot():
     seq = [1, 2]
     drafts = []
     for _ in range(PROBE_EVERY + 1):
-        (draft,) = d.propose([ctx(*seq)], [4], target_step_s=0.05, per_token_s=0.002)
+        (draft,) = d.propose(StepRequest([ctx(*seq)], [4], 0.05, per_token_s=0.002))
         drafts.append(draft)
         seq.append(be.next_token(seq[-1]))
     assert drafts[:PROBE_EVERY] == [[]] * PROBE_EVERY
@@ -599,7 +600,7 @@ def test_stats_do_not_wait_out_a_background_prefill():
         assert time.perf_counter() - t0 < 0.5
         assert w.wait_idle(timeout=10)  # the prefill went on
         b = be.next_token(int(prompt[-1]))
-        (draft,) = w.propose([np.append(prompt, np.int32(b))], [3], 0.05)
+        (draft,) = w.propose(StepRequest([np.append(prompt, np.int32(b))], [3], 0.05))
         assert draft == be.chain(b, 3)
     finally:
         w.close()
@@ -614,14 +615,14 @@ def test_a_served_lookup_continuation_is_pre_drafted_from_its_end():
     prompt = ctx(1, 2)
     model = be.chain(2, 2)
     lookup = be.chain(2, 5)  # agrees with the model's draft and goes 3 tokens further
-    (draft,) = d.propose([prompt], [4], hints=[Hint(lookup, 0.9, 0.8, 0.0)])
+    (draft,) = d.propose(StepRequest([prompt], [4], hints=[Hint(lookup, 0.9, 0.8, 0.0)]))
     assert draft == model  # the drafter returns its own draft; the proposer combines
     assert list(d.jobs[0].prefix) == [1, 2, *lookup]
     assert d.stats.lookup_predrafts == 1
     d.predraft()
     # the target accepted all five lookup tokens and added its own next one
     nxt = be.next_token(lookup[-1])
-    (draft2,) = d.propose([ctx(1, 2, *lookup, nxt)], [4])
+    (draft2,) = d.propose(StepRequest([ctx(1, 2, *lookup, nxt)], [4]))
     assert d.stats.predraft_hits == 1 and draft2 == be.chain(nxt, 2)
 
 
@@ -637,7 +638,7 @@ def test_the_pre_draft_continues_what_the_proposer_serves(lookup, alpha_lookup, 
     be, d = make(DraftPolicy(k=4, parallel=True, budget=2, multi_sequence=False))
     lookup = be.chain(2, 4) if lookup is None else lookup
     hint = Hint(lookup, 0.9, alpha_lookup, threshold)
-    (own,) = d.propose([ctx(1, 2)], [4], hints=[hint])
+    (own,) = d.propose(StepRequest([ctx(1, 2)], [4], hints=[hint]))
     want, source = choose(own, hint.tokens, hint.alpha_model, hint.alpha_lookup, hint.threshold)
     assert source == served
     assert list(d.jobs[0].prefix) == [1, 2, *want]
@@ -660,10 +661,10 @@ def test_pause_drops_the_background_work_and_the_next_step_resumes():
         time.sleep(0.3)
         assert max(len(s.tokens) for s in w.drafter.pool.slots) == held < 300  # idle
         seq = np.append(long, np.int32(be.next_token(int(long[-1]))))
-        assert w.propose([seq], [3], 0.05) == [[]]  # drafting resumes: prefilled again
+        assert w.propose(StepRequest([seq], [3], 0.05)) == [[]]  # drafting resumes: prefilled again
         assert w.wait_idle(timeout=20)
         seq = np.append(seq, np.int32(be.next_token(int(seq[-1]))))
-        assert w.propose([seq], [3], 0.05)[0] == be.chain(int(seq[-1]), 3)
+        assert w.propose(StepRequest([seq], [3], 0.05))[0] == be.chain(int(seq[-1]), 3)
     finally:
         w.close()
 
@@ -706,7 +707,7 @@ def test_the_worker_says_when_nothing_runs_in_the_background_during_the_step():
     be, w = slow_worker(0.0)
     try:
         seq = ctx(*range(1, 12))
-        drafts = w.propose([seq], [3], 0.05)  # a pre-draft queued for the next step
+        drafts = w.propose(StepRequest([seq], [3], 0.05))  # a pre-draft queued for the next step
         assert not getattr(drafts, "idle", False)
         assert w.wait_idle(timeout=5)
 
@@ -715,7 +716,7 @@ def test_the_worker_says_when_nothing_runs_in_the_background_during_the_step():
 
         w.drafter._plan_jobs = plan_nothing
         seq = np.append(seq, np.int32(be.next_token(int(seq[-1]))))
-        drafts = w.propose([seq], [3], 0.05)
+        drafts = w.propose(StepRequest([seq], [3], 0.05))
         assert drafts.idle and drafts == [be.chain(int(seq[-1]), 3)]  # served, then idle
         assert w._idle()
         w._prompts = [ctx(*range(30, 90))]  # a prompt queued for the background thread
@@ -731,14 +732,14 @@ def test_a_window_prefills_only_the_last_tokens_of_a_long_prompt():
     be = FakeBackend()
     d = DuoDrafter(be, max_sequences=2, n_ctx=100, policy=serial(k=3), window=8)
     prompt = np.arange(1, 41, dtype=np.int32)  # 40 tokens
-    (draft,) = d.propose([prompt], [3])
+    (draft,) = d.propose(StepRequest([prompt], [3]))
     assert sum(len(toks) for _, toks, _ in be.evaluated) == 8 + 2  # the window, then 2 draft steps
     # its first 2 tokens and its last 6, at draft positions from 0
     assert be.evaluated[0][1:] == (list(prompt[:2]) + list(prompt[-6:]), 0)
     assert draft == be.chain(40, 3)
     be.evaluated.clear()
     # the next step: only the new tokens, after the window
-    (draft2,) = d.propose([np.append(prompt, [draft[0], 9])], [3])
+    (draft2,) = d.propose(StepRequest([np.append(prompt, [draft[0], 9])], [3]))
     assert be.evaluated[0][1:] == ([9], 9)  # the window and the accepted draft token are held
     assert draft2 == be.chain(9, 3)
 
@@ -747,14 +748,14 @@ def test_a_window_slides_on_past_the_drafts_context():
     policy = serial(k=3)
     be, d = make(policy, n_ctx=20)
     long = np.arange(1, 31, dtype=np.int32)  # longer than n_ctx
-    assert d.propose([long], [3]) == [[]]  # the whole context does not fit: no draft
+    assert d.propose(StepRequest([long], [3])) == [[]]  # the whole context does not fit: no draft
     be2 = FakeBackend()
     d2 = DuoDrafter(be2, max_sequences=1, n_ctx=20, policy=policy, window=16)
     assert d2.pool.window == 10  # at most half the draft's context
-    (draft,) = d2.propose([long], [3])
+    (draft,) = d2.propose(StepRequest([long], [3]))
     assert draft == be2.chain(30, 3)
     grown = np.concatenate([long, np.arange(31, 38, dtype=np.int32)])  # the window is full
-    (draft2,) = d2.propose([grown], [3])
+    (draft2,) = d2.propose(StepRequest([grown], [3]))
     assert draft2 == be2.chain(37, 3)
     assert d2.pool.slots[0].offset == len(grown) - 8  # a head of 2, a tail of 8
     assert be2.seqs[0][:10] == list(grown[:2]) + list(grown[-8:])  # evaluated anew
@@ -765,7 +766,7 @@ def test_stats_split_vllms_wait_into_the_actors_handling_and_drafting_on_the_spo
     try:
         seq = [1, 2, 3]
         for _ in range(4):
-            (draft,) = w.propose([ctx(*seq)], [3], 0.05)
+            (draft,) = w.propose(StepRequest([ctx(*seq)], [3], 0.05))
             assert draft == be.chain(seq[-1], 3)
             seq.append(be.next_token(seq[-1]))
         s = w.stats()
@@ -805,7 +806,7 @@ def test_calibrated_narrow_calls_keep_a_long_prompt_from_locking_the_draft_out(m
     def first_steps(d):
         assert d.prefetch([ctx(*prompt)]) == 1  # vLLM prefills it: so does the draft
         d.predraft(interrupt=lambda: 64 in d.draft_time.table())  # one chunk, then a step
-        return d.propose([ctx(*prompt, 1)], [4], target_step_s=0.026, per_token_s=0.001)
+        return d.propose(StepRequest([ctx(*prompt, 1)], [4], 0.026, per_token_s=0.001))
 
     be, d = make(auto(), backend=TimedBackend(clock), n_ctx=1000)
     assert first_steps(d) == [[]]
@@ -829,7 +830,8 @@ def test_a_weak_lookup_tail_is_pre_drafted_from_where_it_parts_from_the_model():
 
     def first_step(lookup, alpha_lookup=0.4):
         be, d = make(DraftPolicy(k=4, parallel=True, budget=3, multi_sequence=False))
-        (draft,) = d.propose([ctx(1, 2)], [4], hints=[Hint(lookup, 0.9, alpha_lookup, 0.0)])
+        (draft,) = d.propose(StepRequest([ctx(1, 2)], [4],
+                                         hints=[Hint(lookup, 0.9, alpha_lookup, 0.0)]))
         assert draft == be.chain(2, 3) == [17, 22, 7]  # the model's own
         return be, d
 
@@ -838,12 +840,12 @@ def test_a_weak_lookup_tail_is_pre_drafted_from_where_it_parts_from_the_model():
     assert list(d.jobs[0].prefix) == [1, 2, 17, 22, 7] and d.stats.hedged_roots == 1
     d.predraft()
     # the target accepted 17, 22, 7, turned 9 down and sampled 2, the model's guess
-    (draft,) = d.propose([ctx(1, 2, 17, 22, 7, 2)], [4])
+    (draft,) = d.propose(StepRequest([ctx(1, 2, 17, 22, 7, 2)], [4]))
     assert draft == be.chain(2, 3) and d.stats.predraft_hits == 1
     # the copy [.., 2, 9, 9]: the target accepts its 2 too, then samples 17 (the model's)
     be, d = first_step([17, 22, 7, 2, 9, 9])
     d.predraft()
-    (draft,) = d.propose([ctx(1, 2, 17, 22, 7, 2, 17)], [4])
+    (draft,) = d.propose(StepRequest([ctx(1, 2, 17, 22, 7, 2, 17)], [4]))
     assert draft == be.chain(17, 2) and d.stats.deep_hits == 1  # the branch's 3rd token on
     # a strong copy is pre-drafted from its end, as before
     be, d = first_step([17, 22, 7, 9, 9, 9], alpha_lookup=0.95)
@@ -868,13 +870,13 @@ def test_a_root_after_a_copy_too_long_to_catch_up_in_the_step_moves_to_where_it_
         be, d = make(auto(), n_ctx=200)
         d.draft_time = FixedDraftTime(0.010, 0.004)
         seq = [1, 2, 17, 22]
-        d.propose([ctx(*seq[:-1])], [4], target_step_s=0.03, per_token_s=0.001)
+        d.propose(StepRequest([ctx(*seq[:-1])], [4], 0.03, per_token_s=0.001))
         d.predraft()
         # the target's token is 9, which no branch starts with: a miss, served its
         # strong copy rather than a draft on the spot
         copy = [30, 31, 32, 33, 34, 35]
-        (draft,) = d.propose([ctx(*seq[:-1], 9)], [4], target_step_s=step_s,
-                             per_token_s=0.001, hints=[Hint(copy, 0.9, 0.9, 0.0)])
+        (draft,) = d.propose(StepRequest([ctx(*seq[:-1], 9)], [4], step_s, per_token_s=0.001,
+                                         hints=[Hint(copy, 0.9, 0.9, 0.0)]))
         return be, d, draft
 
     be, d, draft = step(0.030)
@@ -883,8 +885,8 @@ def test_a_root_after_a_copy_too_long_to_catch_up_in_the_step_moves_to_where_it_
     assert d.stats.shorter_roots == 1
     d.predraft()
     # the target turned the copy's 30 down and picked the draft's own token: a hit
-    (nxt,) = d.propose([ctx(1, 2, 17, 9, be.next_token(9))], [4], target_step_s=0.03,
-                       per_token_s=0.001)
+    (nxt,) = d.propose(StepRequest([ctx(1, 2, 17, 9, be.next_token(9))], [4], 0.03,
+                                   per_token_s=0.001))
     assert nxt and d.stats.predraft_hits >= 1
     # a long step: the catch-up of the copy and a level fit; rooted after the copy
     be, d, draft = step(0.080)
@@ -903,7 +905,7 @@ def test_a_hedge_is_ready_where_the_target_turns_the_drafts_first_token_down():
     _, d = make(auto(multi_sequence=True), backend=be)
     d.acceptance = Acceptance(prior={"greedy": 0.6, "sampled": 0.5})
     d.draft_time = FixedDraftTime(0.010)
-    (draft,) = d.propose([ctx(1, 2, 9)], [4], target_step_s=0.05, per_token_s=0.002)
+    (draft,) = d.propose(StepRequest([ctx(1, 2, 9)], [4], 0.05, per_token_s=0.002))
     assert draft[0] == 5
     (job,) = d.jobs
     assert [(root, tok) for root, tok, _, _ in job.hedges] == [(3, 6)]
@@ -912,7 +914,7 @@ def test_a_hedge_is_ready_where_the_target_turns_the_drafts_first_token_down():
     hedge = d.trees[0].branches[-1]
     assert hedge.root == 3 and hedge.tokens[:2] == [6, be.next_token(6)]
     be.evaluated.clear()
-    (draft2,) = d.propose([ctx(1, 2, 9, 6)], [4], target_step_s=0.05, per_token_s=0.002)
+    (draft2,) = d.propose(StepRequest([ctx(1, 2, 9, 6)], [4], 0.05, per_token_s=0.002))
     assert draft2 and draft2 == be.chain(6, len(draft2))
     assert be.evaluated == [] and d.stats.hedge_hits == 1 and d.stats.predraft_hits == 1
     assert be.seqs[0][:4] == [1, 2, 9, 6]
@@ -920,7 +922,7 @@ def test_a_hedge_is_ready_where_the_target_turns_the_drafts_first_token_down():
     # token lowered α and nothing was pre-drafted: drafted on the spot)
     d.predraft()
     nxt = ctx(1, 2, 9, 6, *draft2, be.next_token(draft2[-1]))
-    (draft3,) = d.propose([nxt], [4], target_step_s=0.05, per_token_s=0.002)
+    (draft3,) = d.propose(StepRequest([nxt], [4], 0.05, per_token_s=0.002))
     assert draft3 and draft3 == be.chain(int(nxt[-1]), len(draft3))
     assert be.seqs[0][:len(nxt)] == list(nxt)
 
@@ -929,13 +931,12 @@ def test_no_hedge_for_a_confident_draft_or_a_sampled_request():
     be = FakeBackend()  # p ≈ .98 for every draft token: a hedge is worth nothing
     _, d = make(auto(multi_sequence=True), backend=be)
     d.draft_time = FixedDraftTime(0.010)
-    d.propose([ctx(1, 2, 9)], [4], target_step_s=0.05, per_token_s=0.002)
+    d.propose(StepRequest([ctx(1, 2, 9)], [4], 0.05, per_token_s=0.002))
     assert d.jobs and not d.jobs[0].hedges
     be = FakeBackend(spread={9: {5: 4.0, 6: 3.6}})
     _, d = make(auto(multi_sequence=True), backend=be)
     d.draft_time = FixedDraftTime(0.010)
-    d.propose([ctx(1, 2, 9)], [4], target_step_s=0.05, per_token_s=0.002,
-              temperatures=[0.7])
+    d.propose(StepRequest([ctx(1, 2, 9)], [4], 0.05, [0.7], 0.002))
     assert all(not job.hedges for job in d.jobs) and d.stats.hedges == 0
 
 
@@ -956,7 +957,7 @@ def test_a_failed_predraft_leaves_no_branch_sequence_holding_cells():
     _, d = make(auto(multi_sequence=True), backend=be)
     d.acceptance = Acceptance(prior={"greedy": 0.6, "sampled": 0.5})
     d.draft_time = FixedDraftTime(0.010)
-    d.propose([ctx(1, 2, 9)], [4], target_step_s=0.05, per_token_s=0.002)
+    d.propose(StepRequest([ctx(1, 2, 9)], [4], 0.05, per_token_s=0.002))
     assert d.jobs[0].hedges
     d.predraft()
     assert d.stats.errors == 1

@@ -6,6 +6,7 @@ import pytest
 from duo_vllm.draft.drafter import DraftPolicy, DuoDrafter
 from duo_vllm.draft.prompt_cache import MIN_RESTORE, PromptCache, restore_pays
 from duo_vllm.draft.slots import SlotPool
+from duo_vllm.runtime.message import StepRequest
 from tests.fakes import FakeBackend
 
 
@@ -100,10 +101,10 @@ def test_a_prompt_back_after_its_slot_went_to_another_is_restored_not_prefilled(
     drafts = {}
     for cache in (0, 1 << 20):
         be, d = drafter(cache, window=window)
-        (first,) = d.propose([A], [3])
-        d.propose([B], [3])
+        (first,) = d.propose(StepRequest([A], [3]))
+        d.propose(StepRequest([B], [3]))
         be.evaluated.clear()
-        (again,) = d.propose([A], [3])
+        (again,) = d.propose(StepRequest([A], [3]))
         drafts[cache] = (first, again)
         n = evaluated(be)
         if cache:
@@ -120,11 +121,11 @@ def test_a_prompt_back_after_its_slot_went_to_another_is_restored_not_prefilled(
 
 def test_a_context_that_goes_on_from_a_cached_one_reuses_its_prefix():
     be, d = drafter(1 << 20)
-    d.propose([A], [3])
-    d.propose([B], [3])  # A goes to the cache
+    d.propose(StepRequest([A], [3]))
+    d.propose(StepRequest([B], [3]))  # A goes to the cache
     be.evaluated.clear()
     turn2 = np.concatenate([A, seq(900, 10)])  # the next turn of A's chat, say
-    (draft,) = d.propose([turn2], [3])
+    (draft,) = d.propose(StepRequest([turn2], [3]))
     # A's cells restored: only the new turn is evaluated, then the chain
     assert be.evaluated[0][2] == len(A) and evaluated(be) == 10 + 2
     assert draft == FakeBackend().chain(int(turn2[-1]), 3)
@@ -137,10 +138,10 @@ class FailingRestore(FakeBackend):
 
 def test_a_failed_restore_prefills_as_without_a_cache():
     be, d = drafter(1 << 20, backend=FailingRestore())
-    d.propose([A], [3])
-    d.propose([B], [3])
+    d.propose(StepRequest([A], [3]))
+    d.propose(StepRequest([B], [3]))
     be.evaluated.clear()
-    (draft,) = d.propose([A], [3])
+    (draft,) = d.propose(StepRequest([A], [3]))
     assert be.evaluated[0][2] == 0 and evaluated(be) == len(A) + 2
     assert draft == FakeBackend().chain(int(A[-1]), 3)
     assert d.stats.cache_failures == 1 and d.stats.cache_hits == 0
@@ -186,7 +187,7 @@ def test_a_prefetched_prompt_seen_before_is_restored_and_its_first_step_hits():
         assert d.prefetch([p]) == 1
         d.predraft()
         b = be.next_token(int(p[-1]))
-        return d.propose([np.append(p, np.int32(b))], [3])[0], b
+        return d.propose(StepRequest([np.append(p, np.int32(b))], [3]))[0], b
 
     request(prompt)
     for p in others:  # each takes a slot the last step did not use: the prompt's goes

@@ -24,14 +24,15 @@ class FakeWorker:
         self.drafts = drafts
         self.receiver = DeltaReceiver()  # the proposer sends deltas, as to DraftWorker
 
-    def propose(self, contexts, budgets, step_s, temps=None, per_token_s=None, hints=None,
-                remaining=None):
+    def propose(self, step):
+        contexts = step.contexts
         if isinstance(contexts, Delta):
             contexts, resend = self.receiver.decode(contexts)
             assert not resend and all(c is not None for c in contexts)
-        self.calls.append(dict(contexts=[list(c) for c in contexts], budgets=budgets,
-                               step_s=step_s, temps=temps, per_token_s=per_token_s,
-                               hints=hints, remaining=remaining))
+        self.calls.append(dict(contexts=[list(c) for c in contexts], budgets=step.budgets,
+                               step_s=step.step_s, temps=step.temperatures,
+                               per_token_s=step.per_token_s, hints=step.hints,
+                               remaining=step.remaining))
         return self.drafts or [[1, 2, 3, 4] for _ in contexts]
 
     def stats(self):

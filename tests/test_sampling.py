@@ -16,6 +16,7 @@ from duo_vllm.runtime.delta import Drafts
 from duo_vllm.draft.drafter import DraftPolicy, DuoDrafter
 from duo_vllm.sources.lookup import MODEL, Hint, serve
 from duo_vllm.draft.sampling import dense_q, draft_q, q_entries, sample_q
+from duo_vllm.runtime.message import StepRequest
 from tests.fakes import FakeBackend
 
 P_MIN = 1e-3
@@ -135,9 +136,9 @@ def test_sampled_rows_get_drafts_drawn_from_q_and_greedy_rows_the_argmax():
                    policy=DraftPolicy(k=3, parallel=False, budget=3, sampled_drafts=True))
     firsts = []
     for i in range(400):
-        greedy, sampled = d.propose([np.array([1, 2, 3 + i % 5], dtype=np.int32),
-                                     np.array([4, 5, 6 + i % 5], dtype=np.int32)], [3, 3],
-                                    temperatures=[0.0, 1.0])
+        greedy, sampled = d.propose(StepRequest([np.array([1, 2, 3 + i % 5], dtype=np.int32),
+                                                 np.array([4, 5, 6 + i % 5], dtype=np.int32)],
+                                                [3, 3], temperatures=[0.0, 1.0]))
         assert greedy == [10, 10, 10] and d.last_q[0] is None
         q = d.last_q[1]
         assert len(q) == 3 and all(tok in ids for tok, (ids, _) in zip(sampled, q))
@@ -151,11 +152,12 @@ def test_sampled_rows_get_drafts_drawn_from_q_and_greedy_rows_the_argmax():
     # a vocabulary limit (the target's): no draw at or above it
     d.policy = DraftPolicy(k=3, parallel=False, budget=3, sampled_drafts=True, vocab_limit=12)
     for i in range(50):
-        assert max(d.propose([np.array([7, 8 + i % 3], dtype=np.int32)], [3],
-                             temperatures=[1.0])[0]) < 12
+        step = StepRequest([np.array([7, 8 + i % 3], dtype=np.int32)], [3], temperatures=[1.0])
+        assert max(d.propose(step)[0]) < 12
     # off: the argmax for every request, no q
     d.policy = DraftPolicy(k=3, parallel=False, budget=3, sampled_drafts=False)
-    assert d.propose([np.array([7, 8], dtype=np.int32)], [3], temperatures=[1.0]) == [[10] * 3]
+    step = StepRequest([np.array([7, 8], dtype=np.int32)], [3], temperatures=[1.0])
+    assert d.propose(step) == [[10] * 3]
     assert d.last_q == [None]
 
 
@@ -164,11 +166,11 @@ def test_a_pre_drafted_branch_of_a_sampled_request_is_served_with_its_q():
     d = DuoDrafter(be, max_sequences=4, n_ctx=100, seed=0,
                    policy=DraftPolicy(k=3, parallel=True, multi_sequence=False, budget=3,
                                       sampled_drafts=True))
-    (draft,) = d.propose([np.array([1, 2], dtype=np.int32)], [3], temperatures=[0.8])
+    (draft,) = d.propose(StepRequest([np.array([1, 2], dtype=np.int32)], [3], temperatures=[0.8]))
     d.predraft()
     b = d.trees[0].branches[0].tokens[0]  # the target takes the branch's token
-    (draft2,) = d.propose([np.array([1, 2, *draft, b], dtype=np.int32)], [3],
-                          temperatures=[0.8])
+    (draft2,) = d.propose(StepRequest([np.array([1, 2, *draft, b], dtype=np.int32)], [3],
+                                      temperatures=[0.8]))
     assert d.stats.predraft_hits == 1
     assert len(draft2) == 3 and d.last_q[0] is not None and len(d.last_q[0]) == 3
 
@@ -179,10 +181,10 @@ def test_the_worker_returns_q_with_the_drafts():
     w = DraftWorker({"use_actor": False, "parallel": False, "budget": 2}, "fake.gguf", None,
                     k=2, backend_factory=lambda _: spread_backend())
     try:
-        out = w.propose([np.array([1, 2], dtype=np.int32), np.array([3, 4], dtype=np.int32)],
-                        [2, 2], 0.05, [0.0, 1.0])
+        out = w.propose(StepRequest([np.array([1, 2], dtype=np.int32),
+                                     np.array([3, 4], dtype=np.int32)], [2, 2], 0.05, [0.0, 1.0]))
         assert isinstance(out, Drafts) and out.q[0] is None and len(out.q[1]) == 2
-        plain = w.propose([np.array([5, 6], dtype=np.int32)], [2], 0.05, [0.0])
+        plain = w.propose(StepRequest([np.array([5, 6], dtype=np.int32)], [2], 0.05, [0.0]))
         assert plain.q is None and plain.idle  # nothing drawn; serial: nothing in the background
     finally:
         w.close()

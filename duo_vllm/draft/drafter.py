@@ -39,6 +39,7 @@ from duo_vllm.control.goodput import (
 from duo_vllm.draft.sampling import draft_q, sample_q
 from duo_vllm.draft.prompt_cache import PromptCache, restore_pays
 from duo_vllm.draft.slots import Assignment, Slot, SlotPool, common_prefix_len, pool_window, window_view
+from duo_vllm.runtime.message import StepRequest
 from duo_vllm.stats import DraftStats, Ema
 
 logger = logging.getLogger(__name__)
@@ -226,25 +227,20 @@ class DuoDrafter:
         return TargetCost(t0, c)
 
     # -- one vLLM step ---------------------------------------------------------
-    def propose(self, contexts: list[np.ndarray], max_tokens: list[int],
-                target_step_s: float | None = None, serve: bool = True,
-                temperatures: list[float] | None = None,
-                per_token_s: float | None = None,
-                hints: list[Hint | None] | None = None,
-                remaining: list[int | None] | None = None) -> list[list[int]]:
+    def propose(self, step: StepRequest, serve: bool = True) -> list[list[int]]:
         """Drafts for one step; queues the pre-draft of the next when ``parallel``.
 
-        ``target_step_s`` and ``per_token_s`` are the target's T₀(B) and c
-        for this batch (measured by the proposer); ``temperatures`` each
+        ``step.step_s`` and ``step.per_token_s`` are the target's T₀(B) and c
+        for this batch (measured by the proposer); ``step.temperatures`` each
         request's sampling temperature (0: greedy). With ``serve=False``
         nothing is drafted now (vLLM has already gone on without a draft):
-        only the pre-draft for these contexts is queued. ``hints`` are the
+        only the pre-draft for these contexts is queued. ``step.hints`` are the
         proposer's lookup drafts (:class:`duo_vllm.sources.lookup.Hint`): the drafter
         returns its own drafts, and pre-drafts from the end of what the
         proposer will serve, :func:`duo_vllm.sources.lookup.serve` of its own draft
         and the hint (the same pure function, the same inputs), so a served
         lookup continuation finds its next step's branches ready.
-        ``remaining``: the tokens each request may still generate (its
+        ``step.remaining``: the tokens each request may still generate (its
         ``max_tokens`` left), where the proposer knows them.
         """
         t0 = time.perf_counter()
@@ -252,17 +248,19 @@ class DuoDrafter:
         st.steps += 1
         if st.started is None:
             st.started = time.monotonic()
-        if target_step_s:
-            self.target_step_s = target_step_s
-        if per_token_s is not None:
-            self.per_token_s = per_token_s
+        if step.step_s:
+            self.target_step_s = step.step_s
+        if step.per_token_s is not None:
+            self.per_token_s = step.per_token_s
         cost = self._cost()
-        contexts = [np.asarray(c, dtype=np.int32) for c in contexts]
-        temps = [0.0] * len(contexts) if temperatures is None else [float(x) for x in temperatures]
+        hints = step.hints
+        contexts = [np.asarray(c, dtype=np.int32) for c in step.contexts]
+        temps = [0.0] * len(contexts) if step.temperatures is None else \
+            [float(x) for x in step.temperatures]
         out: list[list[int]] = [[] for _ in contexts]
         qs: dict = {}  # row -> the q of each token of its draft, where all were drawn
         alts: dict = {}  # row -> each token of its draft's runner_up() (greedy rows)
-        rows = self._rows(contexts, max_tokens, temps, serve, remaining)
+        rows = self._rows(contexts, step.budgets, temps, serve, step.remaining)
         hits = [r for r in rows if r.branch is not None]
         misses = [r for r in rows if r.branch is None and not r.background]
         served, (chosen, extend, depth) = self._plan_step(len(contexts), hits, misses, cost,

@@ -18,6 +18,7 @@ from duo_vllm.runtime.channel import ChannelServer
 from duo_vllm.config import (DuoConfig, DuoConfigError, allowed_cpus, choose_cores, nest_tuning,
                              read_host)
 from duo_vllm.runtime.delta import Delta, DeltaReceiver, Drafts
+from duo_vllm.runtime.message import StepRequest
 from duo_vllm.draft.drafter import DraftPolicy, DuoDrafter
 from duo_vllm.host.cores import draft_threads
 from duo_vllm.host.pinning import pin_threads
@@ -103,7 +104,7 @@ class DraftWorker:
         self._lock = threading.Lock()  # the drafter and the llama.cpp context
         self._state = threading.Lock()  # _waiting and _stash
         self._waiting = 0  # propose() calls waiting for the drafter
-        self._stash = None  # contexts of a step that could not wait for the drafter
+        self._stash = None  # the StepRequest of a step that could not wait for the drafter
         self._prompts: list = []  # prompts vLLM is prefilling, for the background thread
         self._paused = False  # the gate turned drafting off: no background work till a call
         self._contexts = DeltaReceiver()  # the contexts of the last step, per request
@@ -139,46 +140,38 @@ class DraftWorker:
     def token_texts(self) -> list[str]:
         return self.backend.token_texts()
 
-    def propose(self, contexts, max_tokens, target_step_s=None, temperatures=None,
-                per_token_s=None, hints=None, remaining=None) -> list[list[int]]:
-        """Drafts for one vLLM step (arguments: see :meth:`DuoDrafter.propose`).
+    def propose(self, step: StepRequest) -> list[list[int]]:
+        """Drafts for one vLLM step (see :meth:`DuoDrafter.propose`).
 
-        ``contexts`` is a list of full contexts, or a :class:`~duo_vllm.runtime.delta.Delta`
-        of them against the last step's (the worker keeps the contexts): the
-        drafts of rows this worker could not decode are empty, and come as
-        :class:`~duo_vllm.runtime.delta.Drafts`, whose ``resend`` names them.
+        ``step.contexts`` is a list of full contexts, or a
+        :class:`~duo_vllm.runtime.delta.Delta` of them against the last step's
+        (the worker keeps the contexts): the drafts of rows this worker could
+        not decode are empty, and come as :class:`~duo_vllm.runtime.delta.Drafts`,
+        whose ``resend`` names them.
 
         A pre-draft still running stops at its next decode boundary. A prefill
         chunk under way is waited for only if it ends within a fraction of a
         target step (chunks are sized for that while other requests decode);
-        otherwise the step goes without a draft and these contexts are left
-        for the background thread: vLLM never waits on a long prefill.
+        otherwise the step goes without a draft and its contexts are left for
+        the background thread: vLLM never waits on a long prefill.
         """
         t_in = time.perf_counter()
         try:
-            return self._propose_delta(contexts, max_tokens, target_step_s, temperatures,
-                                       per_token_s, hints, remaining)
+            return self._propose_delta(step)
         finally:
             self._handler_s += time.perf_counter() - t_in
 
-    def _propose_delta(self, contexts, max_tokens, target_step_s, temperatures, per_token_s,
-                       hints, remaining=None):
-        if not isinstance(contexts, Delta):
-            return self._propose(contexts, max_tokens, target_step_s, temperatures,
-                                 per_token_s, hints, remaining)
+    def _propose_delta(self, step: StepRequest):
+        if not isinstance(step.contexts, Delta):
+            return self._propose(step)
         # decoded before anything else, stash or not: the next step's delta builds on it
-        full, resend = self._contexts.decode(contexts)
+        full, resend = self._contexts.decode(step.contexts)
         rows = [i for i, c in enumerate(full) if c is not None]
-
-        def pick(values):
-            return None if values is None else [values[i] for i in rows]
-
         drafts: list = [[] for _ in full]
         qs: list = [None] * len(full)
         idle = False
         if rows:
-            got = self._propose(pick(full), pick(max_tokens), target_step_s,
-                                pick(temperatures), per_token_s, pick(hints), pick(remaining))
+            got = self._propose(step.select(rows, [full[i] for i in rows]))
             idle = getattr(got, "idle", False)
             for j, (i, d) in enumerate(zip(rows, got)):
                 drafts[i] = d
@@ -187,12 +180,11 @@ class DraftWorker:
             qs = None
         return Drafts(drafts, resend, qs, idle) if resend or qs or idle else drafts
 
-    def _propose(self, contexts, max_tokens, target_step_s, temperatures, per_token_s,
-                 hints, remaining=None) -> list[list[int]]:
+    def _propose(self, step: StepRequest) -> list[list[int]]:
         with self._state:
             self._waiting += 1
             self._paused = False
-        patience = self._patience(target_step_s)
+        patience = self._patience(step.step_s)
         t0 = time.perf_counter()
         got = self._lock.acquire(timeout=patience) if self._thread else self._lock.acquire()
         self._lock_wait_s += time.perf_counter() - t0
@@ -200,18 +192,15 @@ class DraftWorker:
         with self._state:
             self._waiting -= 1
             if not got:
-                self._stash = (contexts, max_tokens, target_step_s, temperatures, per_token_s,
-                               hints, remaining)
+                self._stash = step
                 self.drafter.stats.skipped_busy += 1
         if not got:
             self._wake.set()
-            return [[] for _ in contexts]
+            return [[] for _ in step.contexts]
         try:
             with self._state:
                 self._stash = None  # superseded by this step
-            drafts = self.drafter.propose(contexts, max_tokens, target_step_s,
-                                          temperatures=temperatures, per_token_s=per_token_s,
-                                          hints=hints, remaining=remaining)
+            drafts = self.drafter.propose(step)
             drawn = any(q is not None for q in self.drafter.last_q)
             idle = self._idle()
             if drawn or idle:  # drawn: with their q; idle: the cores are free for the step
@@ -293,10 +282,7 @@ class DraftWorker:
                         stash, self._stash = self._stash, None
                         prompts, self._prompts = self._prompts, []
                     if stash is not None:  # a step that went without a draft
-                        contexts, max_tokens, step, temps, per_token, hints, remaining = stash
-                        self.drafter.propose(contexts, max_tokens, step, serve=False,
-                                             temperatures=temps, per_token_s=per_token,
-                                             hints=hints, remaining=remaining)
+                        self.drafter.propose(stash, serve=False)
                         self._deadline = None
                     if prompts and self.drafter.prefetch(prompts):
                         self._deadline = None  # the target's prefill is no step

@@ -29,6 +29,7 @@ import time
 from typing import Any, Callable
 
 from duo_vllm.runtime.channel import Channel, RayCalls, RemoteError
+from duo_vllm.runtime.message import StepRequest
 
 START_TIMEOUT_S = 300.0  # loading a large GGUF takes a while; a hang does not
 AUTO_TIMEOUT_FIRST_S = 1.0  # before the first answer and step have been measured
@@ -131,17 +132,14 @@ class ActorClient:
             return auto_timeout(self._answer_s, step_s, self._answer_dev_s)
         return float(self._timeout)
 
-    def propose(self, contexts, budgets, step_s: float | None, *args) -> list[list[int]] | None:
-        """The actor's drafts, or ``None`` when this step must go without.
-
-        ``args`` follow ``step_s`` to the actor's ``propose`` as they are.
-        """
+    def propose(self, step: StepRequest) -> list[list[int]] | None:
+        """The actor's drafts for ``step``, or ``None`` when this step must go without."""
         if self.disabled or not self._replacement_ready() or not self._pending_done():
             return None
-        timeout = self.timeout_for(step_s)
+        timeout = self.timeout_for(step.step_s)
         t0 = time.perf_counter()
         try:
-            ref = self._calls.submit("propose", contexts, budgets, step_s, *args)
+            ref = self._calls.submit("propose", step)
             if not self._calls.ready(ref, max(0.0, timeout - (time.perf_counter() - t0))):
                 self._pending = (ref, t0, timeout)
                 self.timeouts += 1

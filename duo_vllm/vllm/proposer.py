@@ -21,6 +21,7 @@ from duo_vllm.runtime.actor import DraftWorker, get_or_create_actor
 from duo_vllm.runtime.client import ActorClient
 from duo_vllm.config import DuoConfig, allowed_cpus, resolve_draft_cores, target_cores
 from duo_vllm.runtime.delta import DeltaSender
+from duo_vllm.runtime.message import StepRequest
 from duo_vllm.vllm.drafts_out import attach_drafts
 from duo_vllm.control.verdict import PLAIN, Verdict
 from duo_vllm.host.lending import (WARM_ROWS, MatmulPrimitives, TargetThreads, bind_order, lend_plan,
@@ -659,15 +660,14 @@ class DuoProposer:
         if restarts != self._sender_actor:  # a new actor holds no contexts
             self._sender.reset()
             self._sender_actor = restarts
-        delta = self._sender.encode(keys, contexts)
+        step = StepRequest(self._sender.encode(keys, contexts), budgets, step_s, temps,
+                           per_token_s, hints, remaining)
         result = None
         if self._client is not None:
-            result = self._client.propose(delta, budgets, step_s, temps, per_token_s, hints,
-                                          remaining)
+            result = self._client.propose(step)
         else:
             try:
-                result = self._worker.propose(delta, budgets, step_s, temps, per_token_s, hints,
-                                              remaining)
+                result = self._worker.propose(step)
             except Exception as e:  # the draft side must never take the request down
                 self._failed = True
                 logger.warning("DuoProposer: draft side failed (%s: %s); falling back to plain "
