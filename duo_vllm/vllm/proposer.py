@@ -40,6 +40,7 @@ from duo_vllm.vllm.patches import (
     install_logprob_free_verify,
     install_new_request_hook,
 )
+from duo_vllm.vllm import rows as rows_of
 from duo_vllm.vllm.vocab import check_vocab, target_token_texts
 
 
@@ -308,7 +309,7 @@ class DuoProposer:
         self._observe_step(rows, contexts, num_tokens_no_spec, skip=partial)
         # the step's batch size (T(B), the gate's bucket): seeded rows' tokens count too
         self._batch = batch = len(rows)
-        seeded = self._seeded(rows)
+        seeded = set() if self.config.draft_seeded else rows_of.seeded_rows(self._runner, rows)
         if seeded:  # decoded as plain vLLM would (a seed gives the same tokens every run)
             if not self.seeded_rows:
                 logger.info("DuoProposer: sampled requests with a seed decode without drafts, "
@@ -323,12 +324,12 @@ class DuoProposer:
         if not rows:
             self._returned_at = None
             return drafts
-        temps = self._temperatures(rows)
+        temps = rows_of.temperatures(self._runner, rows)
         self._sampled = bool(temps) and max(temps) > 1e-5
         if temps and self._sampled and self.config.sampled_drafts:
-            temps = self._draw_temperatures(rows, temps)
+            temps = rows_of.draw_temperatures(self._runner, rows, temps)
         temps_or_0 = temps or [0.0] * len(rows)
-        keys = self._request_keys(rows)
+        keys = rows_of.request_keys(self._runner, rows)
         if self._runner is not None and self._gated:  # it needs request ids to count tokens
             key = keys[0] if batch == 1 else None  # batch 1: verdicts per request
             self._mode = self.verdict.choose(batch, self._sampled, key)
@@ -344,7 +345,7 @@ class DuoProposer:
         cost = self.step_time.cost(batch)
         step_s, per_token_s = (None, None) if cost is None else (cost.t0, cost.per_token)
         hints = self._hints(keys, temps_or_0, lookups)
-        remaining = self._remaining(rows, num_tokens_no_spec)
+        remaining = rows_of.tokens_left(self._runner, rows, num_tokens_no_spec)
         t0 = time.perf_counter()
         try:
             result = self._draft(keys, contexts, budgets, step_s, temps, per_token_s, hints,
@@ -403,11 +404,6 @@ class DuoProposer:
         if self._threads is not None and self._threads.use(lend) and \
                 self._engine_place is not None:
             self._engine_place.use(lend)
-
-    def _request_keys(self, rows: list[int]) -> list:
-        """Each row's request id (vLLM's input batch), else ``("row", i)``."""
-        ids = getattr(getattr(self._runner, "input_batch", None), "req_ids", None) or []
-        return [ids[i] if i < len(ids) and ids[i] is not None else ("row", i) for i in rows]
 
     def _lookups(self, keys, contexts, caps, serve: bool = True):
         """Each row's lookup draft (after scoring the last step's proposals); ``None``
@@ -503,58 +499,6 @@ class DuoProposer:
                 logger.debug("DuoProposer: drafts not carried on the step's output (%s: %s)",
                              type(e).__name__, e)
 
-    def _states(self, rows: list[int]) -> list:
-        """Each row's request state in vLLM's model runner (its sampling settings,
-        prompt length), ``None`` where unknown."""
-        ids = getattr(getattr(self._runner, "input_batch", None), "req_ids", None) or []
-        states = getattr(self._runner, "requests", None) or {}
-        return [states.get(ids[i]) if i < len(ids) else None for i in rows]
-
-    def _remaining(self, rows: list[int], num_tokens_no_spec) -> list[int | None] | None:
-        """Each row's tokens left to generate (its ``max_tokens`` less its output so far,
-        from vLLM's request states), ``None`` where unknown."""
-        states = self._states(rows)
-        if all(state is None for state in states):
-            return None
-        out = []
-        for i, state in zip(rows, states):
-            limit = getattr(getattr(state, "sampling_params", None), "max_tokens", None)
-            prompt = getattr(state, "num_prompt_tokens", None)
-            out.append(None if limit is None or prompt is None else
-                       max(0, int(limit) - (int(num_tokens_no_spec[i]) - int(prompt))))
-        return out
-
-    def _seeded(self, rows: list[int]) -> set[int]:
-        """The rows that sample with a seed of their own (vLLM's input batch keeps a
-        generator for each), unless ``draft_seeded``: they get no drafts, so that
-        their output is reproducible (vLLM's rejection sampler draws from the
-        generator once per draft token, and how many tokens a step drafts depends
-        on timing; a step without drafts draws as plain decoding does)."""
-        batch = getattr(self._runner, "input_batch", None)
-        if self.config.draft_seeded or not getattr(batch, "generators", None):
-            return set()  # no request of the batch has a seed
-        return {i for i, state in zip(rows, self._states(rows))
-                if state is not None and self._seeded_request(state)}
-
-    def _temperatures(self, rows: list[int]) -> list[float] | None:
-        temps = getattr(getattr(self._runner, "input_batch", None), "temperature_cpu", None)
-        if temps is None:
-            return None
-        return [float(temps[i]) for i in rows]
-
-    def _draw_temperatures(self, rows: list[int], temps: list[float]) -> list[float]:
-        """The temperatures the drafter drafts at: 0 (the argmax, no q) for a request
-        with structured output, whose drafts vLLM's scheduler cuts at the first token
-        its grammar rejects. A cut that looks at a drawn token's value would bias the
-        output; a draft without q stays exact however it is cut."""
-        out = list(temps)
-        for j, state in enumerate(self._states(rows)):
-            params = getattr(state, "sampling_params", None)
-            if getattr(params, "structured_outputs", None) is not None or \
-                    getattr(params, "guided_decoding", None) is not None:
-                out[j] = 0.0
-        return out
-
     def on_new_requests(self, new_reqs, batch: int | None = None) -> None:
         """vLLM is about to prefill ``new_reqs`` (its ``scheduled_new_reqs``).
 
@@ -568,7 +512,7 @@ class DuoProposer:
             return
         if self.config.max_batch is not None and (batch or 0) > self.config.max_batch:
             return  # above the cap: no draft work (propose() lends the cores)
-        new_reqs = [r for r in new_reqs if not self._seeded_request(r)]
+        new_reqs = [r for r in new_reqs if self.config.draft_seeded or not rows_of.seeded(r)]
         if not new_reqs:  # none the draft will see (seeded: decoded without drafts)
             return
         if self._gated and self._runner is not None and not self._will_draft(new_reqs, batch):
@@ -593,13 +537,6 @@ class DuoProposer:
             sent = bool(self._worker.prefetch(prompts))  # 0: serial, nothing in the background
         if sent:  # the draft prefills them beside the target's prefill, on its own cores
             self._lend(False)
-
-    def _seeded_request(self, req) -> bool:
-        """Does ``req`` (a new request, or a running one's state) sample with a seed of
-        its own, and so get no drafts (:meth:`_seeded`)?"""
-        params = getattr(req, "sampling_params", None)
-        return not self.config.draft_seeded and getattr(params, "seed", None) is not None \
-            and (getattr(params, "temperature", 0.0) or 0.0) > 1e-5
 
     def _prefill_lent(self) -> None:
         """The step (its prefill) runs on the draft's cores too, the draft's background
@@ -710,11 +647,10 @@ class DuoProposer:
             self.verdict.observe(batch, self._mode, produced, now - started, self._sampled)
 
     def _produced(self, rows, num_tokens_no_spec) -> int | None:
-        """Tokens the requests of the last step gained in it (from vLLM's input batch)."""
-        ids = getattr(getattr(self._runner, "input_batch", None), "req_ids", None)
-        if ids is None:
+        """Tokens the requests of the last step gained in it."""
+        counts = rows_of.token_counts(self._runner, rows, num_tokens_no_spec)
+        if counts is None:
             return None
-        counts = {ids[i]: int(num_tokens_no_spec[i]) for i in rows if i < len(ids)}
         produced = sum(n - self._counts[r] for r, n in counts.items() if r in self._counts)
         self._counts = counts
         return produced

@@ -1,0 +1,81 @@
+"""What vLLM's model runner says of each row of a step: its request, its sampling
+settings, the tokens it has left. Pure reads of ``runner.input_batch`` and
+``runner.requests``; ``None`` wherever vLLM does not say."""
+
+from __future__ import annotations
+
+
+def _batch(runner):
+    return getattr(runner, "input_batch", None)
+
+
+def request_keys(runner, rows: list[int]) -> list:
+    """Each row's request id, else ``("row", i)``."""
+    ids = getattr(_batch(runner), "req_ids", None) or []
+    return [ids[i] if i < len(ids) and ids[i] is not None else ("row", i) for i in rows]
+
+
+def request_states(runner, rows: list[int]) -> list:
+    """Each row's request state (its sampling settings, prompt length), or ``None``."""
+    ids = getattr(_batch(runner), "req_ids", None) or []
+    states = getattr(runner, "requests", None) or {}
+    return [states.get(ids[i]) if i < len(ids) else None for i in rows]
+
+
+def tokens_left(runner, rows: list[int], num_tokens_no_spec) -> list[int | None] | None:
+    """Each row's tokens left to generate: its ``max_tokens`` less its output so far."""
+    states = request_states(runner, rows)
+    if all(state is None for state in states):
+        return None
+    out = []
+    for i, state in zip(rows, states):
+        limit = getattr(getattr(state, "sampling_params", None), "max_tokens", None)
+        prompt = getattr(state, "num_prompt_tokens", None)
+        out.append(None if limit is None or prompt is None else
+                   max(0, int(limit) - (int(num_tokens_no_spec[i]) - int(prompt))))
+    return out
+
+
+def temperatures(runner, rows: list[int]) -> list[float] | None:
+    temps = getattr(_batch(runner), "temperature_cpu", None)
+    return None if temps is None else [float(temps[i]) for i in rows]
+
+
+def draw_temperatures(runner, rows: list[int], temps: list[float]) -> list[float]:
+    """The temperatures the drafter drafts at: 0 (the argmax, no q) for a request with
+    structured output. vLLM's scheduler cuts its drafts at the first token the grammar
+    rejects, and a cut that looks at a drawn token's value would bias the output; a
+    draft without q stays exact however it is cut."""
+    out = list(temps)
+    for j, state in enumerate(request_states(runner, rows)):
+        params = getattr(state, "sampling_params", None)
+        if getattr(params, "structured_outputs", None) is not None or \
+                getattr(params, "guided_decoding", None) is not None:
+            out[j] = 0.0
+    return out
+
+
+def seeded(req) -> bool:
+    """Does ``req`` (a new request, or a running one's state) sample with a seed of its
+    own? vLLM's rejection sampler draws from its generator once per draft token, and
+    how many a step drafts depends on timing: unless ``draft_seeded``, such a request
+    gets no drafts, so that its seed gives plain vLLM's tokens every run."""
+    params = getattr(req, "sampling_params", None)
+    return getattr(params, "seed", None) is not None \
+        and (getattr(params, "temperature", 0.0) or 0.0) > 1e-5
+
+
+def seeded_rows(runner, rows: list[int]) -> set[int]:
+    """The rows whose request samples with a seed (:func:`seeded`)."""
+    if not getattr(_batch(runner), "generators", None):
+        return set()  # no request of the batch has a seed
+    return {i for i, state in zip(rows, request_states(runner, rows))
+            if state is not None and seeded(state)}
+
+
+def token_counts(runner, rows: list[int], num_tokens_no_spec) -> dict | None:
+    """Each row's request id and its tokens so far."""
+    ids = getattr(_batch(runner), "req_ids", None)
+    if ids is None:
+        return None
+    return {ids[i]: int(num_tokens_no_spec[i]) for i in rows if i < len(ids)}
