@@ -14,7 +14,7 @@ import torch
 from duo_vllm.host.lending import (ONEDNN_CACHE, MatmulPrimitives, TargetThreads, bias_variants,
                               bind_order, lend_plan, lend_prefill, onednn_keys, onednn_linears,
                               remake_pays)
-from duo_vllm.vllm.proposer import REMAKE_WEIGHT
+from duo_vllm.vllm.lender import REMAKE_WEIGHT
 from tests.test_proposer_steps import FakeWorker, bare, clock, inputs  # noqa: F401
 from duo_vllm.control.verdict import LOOKUP, MODEL
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from duo_vllm.vllm import lender as lender_mod
 from duo_vllm.vllm import proposer as proposer_mod
 from duo_vllm.config import DuoConfig
 from duo_vllm.runtime.delta import Delta, DeltaReceiver
@@ -54,6 +55,7 @@ class Clock:
 def clock(monkeypatch):
     c = Clock()
     monkeypatch.setattr(proposer_mod, "time", c)
+    monkeypatch.setattr(lender_mod, "time", c)  # the proposer's lending half
     return c
 
 

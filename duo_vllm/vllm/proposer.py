@@ -10,7 +10,6 @@ sampler, so the output is the target model's whatever the draft says.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import os
 import time
@@ -24,8 +23,7 @@ from duo_vllm.runtime.delta import DeltaSender
 from duo_vllm.runtime.message import StepRequest
 from duo_vllm.vllm.drafts_out import attach_drafts
 from duo_vllm.control.verdict import PLAIN, Verdict
-from duo_vllm.host.lending import (WARM_ROWS, MatmulPrimitives, TargetThreads, bind_order, lend_plan,
-                      lend_prefill, remake_pays)
+from duo_vllm.host.lending import MatmulPrimitives, TargetThreads, bind_order, lend_plan
 from duo_vllm.control.goodput import StepTimeModel
 from duo_vllm.sources.lookup import LOOKUP, MODEL, ContextLookup, Hint, serve
 from duo_vllm.models import ModelNotFoundError, default_draft_gguf
@@ -40,30 +38,16 @@ from duo_vllm.vllm.patches import (
     install_logprob_free_verify,
     install_new_request_hook,
 )
+from duo_vllm.logs import vllm_logger
 from duo_vllm.vllm import rows as rows_of
+from duo_vllm.vllm.lender import REMAKE_S, CoreLending
 from duo_vllm.vllm.vocab import check_vocab, target_token_texts
 
 
-def _vllm_logger(name: str) -> logging.Logger:
-    """A logger under vLLM's, so DuoProposer's lines appear where vLLM's do."""
-    try:
-        from vllm.logger import init_logger
-    except ImportError:
-        return logging.getLogger(name)
-    return init_logger(f"vllm.{name}")
+logger = vllm_logger("duo_vllm.vllm.proposer")
 
 
-logger = _vllm_logger("duo_vllm.vllm.proposer")
-# a remake of the target's oneDNN matmuls before it is measured (0.3-0.5 s measured in
-# vLLM's worker, 2-core VMs), and the weight of each measurement
-REMAKE_S, REMAKE_WEIGHT = 0.4, 0.3
-# a prompt token on the target's own threads before its step time is measured
-PREFILL_TOKEN_S = 0.0015
-# the most a lend waits for the draft's decode call under way (one call: 10-60 ms here)
-PAUSE_WAIT_S = 0.25
-
-
-class DuoProposer:
+class DuoProposer(CoreLending):
     """Drafts on CPU cores of their own through a named Ray actor."""
 
     def __init__(self, vllm_config):
@@ -383,28 +367,6 @@ class DuoProposer:
         self._returned_at = None  # no step-time sample across the cap
         return True
 
-    def _free_cores(self, idle: bool, drafts, partial: bool) -> bool:
-        """Drafting is on, and the draft side has nothing to run while the target runs
-        this step (``idle``: no pre-draft, no prefill; say, a request it holds
-        nothing of, too far behind to catch up, or one where no draft pays): its cores
-        are lent for the step. Not where that step's row count ran on fewer threads
-        (a full-width step would need the oneDNN matmuls remade first, 0.35-0.45 s),
-        nor where it cannot be told (a partial prefill in the step)."""
-        if not idle or partial:
-            return False
-        if self._primitives is None or not self._remaking:
-            return True
-        if not self._hooked:  # remade at each lend: only from a lent step on
-            return self._threads.lent
-        rows = len(drafts) + sum(len(d) for d in drafts)  # the step's token rows
-        return not self._primitives.needs_refresh(rows)
-
-    def _lend(self, lend: bool) -> None:
-        """The next step runs the target on the draft's cores too (``lend``), or not."""
-        if self._threads is not None and self._threads.use(lend) and \
-                self._engine_place is not None:
-            self._engine_place.use(lend)
-
     def _lookups(self, keys, contexts, caps, serve: bool = True):
         """Each row's lookup draft (after scoring the last step's proposals); ``None``
         without lookups, or where the lookup gate measured plain decoding faster."""
@@ -538,21 +500,6 @@ class DuoProposer:
         if sent:  # the draft prefills them beside the target's prefill, on its own cores
             self._lend(False)
 
-    def _prefill_lent(self) -> None:
-        """The step (its prefill) runs on the draft's cores too, the draft's background
-        work dropped first (a lending target; nothing to do when already lent)."""
-        if self._threads is not None and not self._threads.lent:
-            self._pause_draft()
-            self._lend(True)
-
-    def _lend_prefill(self, new_reqs, prompts) -> bool:
-        """Prefill ``new_reqs`` on every core, not beside the draft (:func:`lend_prefill`)?"""
-        # the target's work: every new prompt, beyond what vLLM's prefix cache holds
-        target = sum(len(getattr(r, "prompt_token_ids", None) or ())
-                     - (getattr(r, "num_computed_tokens", 0) or 0) for r in new_reqs)
-        seen = sum(min(len(p), self._window or len(p)) for p in prompts)  # the draft's
-        return lend_prefill(target, seen, self._threads.drafting, self._threads.full)
-
     def _will_draft(self, new_reqs, batch: int | None) -> bool:
         """Will the gate draft for the batch these new requests join (``batch``, else the
         last step's requests and these; sampled if any of them samples)?"""
@@ -572,22 +519,6 @@ class DuoProposer:
             self._pause_draft()
         self._held = bool(held)
         self._returned_at = None  # no step-time sample across the switch
-
-    def _pause_draft(self) -> None:
-        """The gate turned drafting off: the draft side drops its background work. A
-        target that is about to take the draft's cores (lending) first waits, a bounded
-        while, for the decode call under way to end: the two on one core slow each
-        other several-fold (measured: the steps around a lend lost 0.3-0.7 s)."""
-        if self._client is None and self._worker is None:
-            return  # lookups only: no draft side
-        wait = self._threads is not None and self._threads.lent is False
-        try:
-            if self._client is not None:
-                self._client.pause(PAUSE_WAIT_S if wait else 0.0)
-            else:
-                self._worker.pause(wait)
-        except Exception as e:  # the next propose() finds out whether the side is gone
-            logger.debug("DuoProposer: pause failed (%s: %s)", type(e).__name__, e)
 
     def _draft(self, keys, contexts, budgets, step_s, temps=None, per_token_s=None,
                hints=None, remaining=None) -> list[list[int]] | None:
@@ -740,75 +671,6 @@ class DuoProposer:
             s["propose_wait_ms"], s.get("lookup_tokens_accepted", 0),
             s.get("lookup_tokens_served", 0))
 
-    def load_model(self, model=None, *args, **kwargs) -> None:
-        """vLLM hook with the target model; the draft model is loaded by the actor at
-        construction. A target that lends cores makes its decode-sized oneDNN matmul
-        primitives for every thread here, and remakes them after a lend (they run on
-        the thread count they were first made for): before the first lent step that
-        would reuse one made on fewer, else at the lend itself."""
-        if self._threads is None or model is None or not hasattr(model, "modules"):
-            return
-        try:
-            # the decode-sized shapes are made up front where the step hook tells which
-            # steps need a refresh (without it, every lend refreshes)
-            primitives = MatmulPrimitives(model, warm_rows=WARM_ROWS if self._hooked else 0)
-            if primitives.linears and onednn_acl():
-                # oneDNN on Arm's ACL re-packs the weights for each new input layout
-                logger.info("DuoProposer: vLLM's oneDNN runs on Arm's ACL: its matmuls are "
-                            "not remade at a lend")
-                return
-            primitives.evict()  # oneDNN's first build of the evicting shapes: at start-up
-            primitives.warm()  # decode-sized shapes made for every thread (lent now)
-        except Exception as e:  # vLLM's internals moved: lent steps may run slower
-            logger.warning("DuoProposer: cannot reach the target's oneDNN matmuls (%s); "
-                           "steps on lent cores may not use them", e)
-            return
-        if primitives.linears:
-            self._primitives, self._remaking = primitives, True
-            if not self._hooked:  # no step hook: at each lend
-                self._threads.on_lend = self._remake_primitives
-            logger.info("DuoProposer: the target's oneDNN matmuls (%d weight shapes) are "
-                        "remade for every thread %s", len(primitives.linears),
-                        "before a lent step that would reuse one made on fewer threads"
-                        if self._hooked else "at each lend")
-
-    def before_step(self, tokens: int, prefill: int = 0) -> None:
-        """vLLM is about to run a step of ``tokens`` token rows, ``prefill`` of them
-        prompt tokens (the new-request hook, every step, after any lend): a lending
-        target's matmuls are remade first where the step would reuse one made on fewer
-        threads, and where that pays (:func:`remake_pays`)."""
-        if self._primitives is not None and self._threads is not None and self._remaking:
-            self._remake_primitives(tokens, prefill)
-
-    def _remake_pays(self, prefill: int) -> bool:
-        """Would remaking the matmuls before a lent step of ``prefill`` prompt tokens repay
-        its measured cost?"""
-        per_token = self.step_time.per_token()  # a token on the target's own threads
-        return remake_pays(prefill, PREFILL_TOKEN_S if per_token is None else per_token,
-                           self._threads.drafting, self._threads.full, self._remake_s)
-
-    def _remake_primitives(self, tokens: int | None = None, prefill: int = 0) -> None:
-        t0 = time.perf_counter()
-        try:
-            if tokens is None:
-                self._primitives.refresh()
-            elif not self._primitives.before_step(
-                    tokens, self._threads.lent, prefill <= 0 or self._remake_pays(prefill)):
-                return
-            self._remake_s += REMAKE_WEIGHT * (time.perf_counter() - t0 - self._remake_s)
-        except Exception as e:  # never the step's failure: lent steps may be slower
-            self._threads.on_lend, self._remaking = None, False
-            logger.warning("DuoProposer: remaking the target's oneDNN matmuls failed (%s); "
-                           "no longer tried", e)
-        if self._started_at is not None:  # not the next step's time, for the gates
-            self._started_at += time.perf_counter() - t0
-
-
-def onednn_acl() -> bool:
-    """Does vLLM run its oneDNN matmuls on Arm's Compute Library?"""
-    from vllm import _custom_ops
-
-    return bool(getattr(_custom_ops, "is_onednn_acl_supported", lambda: False)())
 
 
 def valid_prefix(draft, vocab_size: int) -> list[int]:
