@@ -15,7 +15,7 @@ metrics agent), and without the variable publishing still works: the values
 sit in the engine process's default registry.
 
 What is exported is :meth:`DuoProposer.stats` as it is logged (every 10 s
-of drafting, from ``_maybe_log_stats``): every numeric key, so keys added
+of drafting, by :class:`Reporter`): every numeric key, so keys added
 later appear without a change here. An ``int`` is a cumulative count, a
 counter ``duo:<key>_total`` (a drop, as when a restarted draft actor starts
 from zero, counts as a reset); a ``float`` is a rate or a time, a gauge
@@ -30,6 +30,7 @@ import logging
 import math
 import re
 import threading
+import time
 
 PREFIX = "duo:"
 
@@ -130,3 +131,51 @@ def publish(stats: dict) -> None:
         _default.publish(stats)
     except Exception as e:  # e.g. prometheus_client missing
         logger.debug("duo_vllm metrics not published: %r", e)
+
+
+class Reporter:
+    """Every ``interval_s``, DuoProposer's statistics (the draft side's and its own,
+    ``local()``) published as metrics and logged, without blocking the step: the actor's
+    half is asked for (``client.submit``), and read once it is there."""
+
+    def __init__(self, local, client=None, worker=None, log=logger, interval_s: float = 10.0):
+        self.local, self.client, self.worker, self.log = local, client, worker, log
+        self.interval_s = interval_s
+        self.logged_at, self._ref = time.monotonic(), None
+
+    def maybe_report(self) -> None:
+        if time.monotonic() - self.logged_at < self.interval_s:
+            return
+        if self.client is None:  # the drafter in this process, or none (lookups only)
+            s = {**(self.worker.stats() if self.worker is not None else {}), **self.local()}
+        elif self._ref is None:
+            if self.client.healthy:
+                self._ref = self.client.submit("stats")
+            return
+        elif not self.client.ready(self._ref):
+            return
+        else:
+            ref, self._ref = self._ref, None
+            try:
+                s = {**self.client.get(ref), **self.local()}
+            except Exception:  # the actor restarted meanwhile: the next interval's
+                return
+        self.logged_at = time.monotonic()
+        publish(s)
+        self.log.info(summary_line(s))
+
+
+def summary_line(s: dict) -> str:
+    """The periodic log line of DuoProposer's statistics."""
+    lookups = (f"lookup tokens accepted {s.get('lookup_tokens_accepted', 0)} of "
+               f"{s.get('lookup_tokens_served', 0)} served")
+    if "predraft_hit_rate" not in s:  # no draft model (lookups only)
+        return (f"DuoProposer (lookups only): {lookups}, steps without lookup drafts "
+                f"{s['gate_no_draft_steps']}, propose() "
+                f"{1e3 * s['propose_total_s'] / max(1, s['propose_steps']):.1f} ms/step")
+    return (f"DuoProposer: pre-draft hit rate {100 * s['predraft_hit_rate']:.1f}%, branch hit "
+            f"rate {100 * s['branch_hit_rate']:.1f}%, branches "
+            f"{s['branch_count_distribution']}, {s['draft_tokens_per_step']:.2f} draft "
+            f"tokens/step, actor busy {100 * s['busy_fraction']:.0f}%, draft "
+            f"{s['draft_token_ms']:.1f} ms/token, target step {s['target_step_ms']:.1f} ms, "
+            f"wait for drafts {s['propose_wait_ms']:.1f} ms/step, {lookups}")

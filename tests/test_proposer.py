@@ -102,7 +102,7 @@ def test_lookup_only_starts_no_draft_side_and_serves_the_contexts_copies(
     ids, n = batch([ctx])
     assert p.propose([[6]], n, ids) == [[7, 8, 9, 10]]
     ids, n = batch([ctx + [7, 8, 11]])  # two accepted, then the target's own token
-    p._stats_logged_at = float("-inf")  # the periodic stats line is due
+    p._reporter.logged_at = float("-inf")  # the periodic stats line is due
     with caplog.at_level(logging.INFO):
         p.propose([[11]], n, ids)
     assert "lookups only" in caplog.text

@@ -39,6 +39,7 @@ from duo_vllm.vllm.patches import (
     install_new_request_hook,
 )
 from duo_vllm.logs import vllm_logger
+from duo_vllm.metrics import Reporter
 from duo_vllm.vllm import rows as rows_of
 from duo_vllm.vllm.lender import REMAKE_S, CoreLending
 from duo_vllm.vllm.vocab import check_vocab, target_token_texts
@@ -132,6 +133,7 @@ class DuoProposer(CoreLending):
             logger.warning("DuoProposer: attached to an existing draft actor %r that serves %s, "
                            "not %s", cfg.actor_name, info["model"], self.model_path)
         self._check_vocab(model_config)
+        self._reporter.client, self._reporter.worker = self._client, self._worker
         if others:
             if self._threads is not None:  # lent now: it follows the cores (_lend)
                 engine = engine_core()
@@ -169,7 +171,7 @@ class DuoProposer(CoreLending):
         self._errors = 0  # propose() calls that raised: the step went without drafts
         self._calls, self._wait_s = 0, 0.0  # time vLLM's loop spent waiting for drafts
         self._steps, self._step_s = 0, 0.0  # every propose() call, and the time it took
-        self._stats_ref, self._stats_logged_at = None, time.monotonic()
+        self._reporter = Reporter(self._local_stats, self._client, self._worker, logger)
         self._prefetch = False
         self._passive = False  # a rank whose drafts vLLM does not use
         self._held = False  # drafting held off by hold(): plain decoding, no draft work
@@ -434,7 +436,7 @@ class DuoProposer(CoreLending):
         self.drawn_tokens += sum(len(q) for q in drawn if q is not None)
         if model is None:
             self._returned_at = time.perf_counter()
-        self._maybe_log_stats()  # also while the gate keeps the draft model off
+        self._reporter.maybe_report()  # also while the verdict keeps the model off
         return drafts
 
     def take_last_draft_probs(self):
@@ -629,47 +631,6 @@ class DuoProposer(CoreLending):
         if self._passive or self.config.lookup_only:
             return self._local_stats()
         return {**self._call("stats"), **self._local_stats()}
-
-    def _maybe_log_stats(self, interval_s: float = 10.0) -> None:
-        """Log the statistics (and publish them as metrics) every ``interval_s`` without
-        blocking the step: the actor's half is asked for, and read once it is there."""
-        if time.monotonic() - self._stats_logged_at < interval_s:
-            return
-        if self.config.lookup_only:  # no draft side to ask
-            s = self._local_stats()
-        elif self._client is None:
-            s = {**self._worker.stats(), **self._local_stats()}
-        elif self._stats_ref is None:
-            if self._client.healthy:
-                self._stats_ref = self._client.submit("stats")
-            return
-        elif not self._client.ready(self._stats_ref):
-            return
-        else:
-            ref, self._stats_ref = self._stats_ref, None
-            try:
-                s = {**self._client.get(ref), **self._local_stats()}
-            except Exception:
-                return
-        self._stats_logged_at = time.monotonic()
-        from duo_vllm.metrics import publish  # duo:* metrics on vLLM's /metrics (see duo_vllm/metrics.py)
-        publish(s)
-        if self.config.lookup_only:
-            logger.info("DuoProposer (lookups only): lookup tokens accepted %d of %d served, "
-                        "steps without lookup drafts %d, propose() %.1f ms/step",
-                        s.get("lookup_tokens_accepted", 0), s.get("lookup_tokens_served", 0),
-                        s["gate_no_draft_steps"],
-                        1e3 * s["propose_total_s"] / max(1, self._steps))
-            return
-        logger.info(
-            "DuoProposer: pre-draft hit rate %.1f%%, branch hit rate %.1f%%, branches %s, "
-            "%.2f draft tokens/step, actor busy %.0f%%, draft %.1f ms/token, target step "
-            "%.1f ms, wait for drafts %.1f ms/step, lookup tokens accepted %d of %d served",
-            100 * s["predraft_hit_rate"], 100 * s["branch_hit_rate"],
-            s["branch_count_distribution"], s["draft_tokens_per_step"],
-            100 * s["busy_fraction"], s["draft_token_ms"], s["target_step_ms"],
-            s["propose_wait_ms"], s.get("lookup_tokens_accepted", 0),
-            s.get("lookup_tokens_served", 0))
 
 
 
