@@ -164,8 +164,7 @@ class DuoProposer(DraftSide, CoreLending):
         if self._above_cap(sum(1 for s in sampled_token_ids if len(s))):
             return drafts  # max_batch: plain decoding, and no draft work at all
         self._capped = False
-        token_ids = np.asarray(token_ids_cpu)  # a numpy array in vLLM 0.32, or a tensor
-        rows, contexts, budgets, lookup_caps = [], [], [], []
+        rows, lengths, budgets, lookup_caps = [], [], [], []
         partial = False
         for i, sampled in enumerate(sampled_token_ids):
             if not len(sampled):  # a partial prefill chunk, or a discarded request
@@ -176,10 +175,10 @@ class DuoProposer(DraftSide, CoreLending):
             if room <= 0:
                 continue
             rows.append(i)
-            contexts.append(token_ids[i, :n].copy())
+            lengths.append(n)
             budgets.append(min(self.k, room))
             lookup_caps.append(min(self.k_lookup, room))
-        self._observe_step(rows, contexts, num_tokens_no_spec, skip=partial)
+        self._observe_step(rows, num_tokens_no_spec, skip=partial)
         # the step's batch size (T(B), the gate's bucket): seeded rows' tokens count too
         self._batch = batch = len(rows)
         seeded = set() if self.config.draft_seeded else rows_of.seeded_rows(self._runner, rows)
@@ -190,8 +189,8 @@ class DuoProposer(DraftSide, CoreLending):
                             "true drafts them)")
             self.seeded_rows += len(seeded)
             keep = [j for j, i in enumerate(rows) if i not in seeded]
-            rows, contexts, budgets, lookup_caps = (
-                [x[j] for j in keep] for x in (rows, contexts, budgets, lookup_caps))
+            rows, lengths, budgets, lookup_caps = (
+                [x[j] for j in keep] for x in (rows, lengths, budgets, lookup_caps))
             if not rows and not partial:
                 self._prefill_lent()  # no draft work: the draft's cores go to the target
         if not rows:
@@ -209,7 +208,12 @@ class DuoProposer(DraftSide, CoreLending):
             was_on, self._on = self._on, self._mode == MODEL
             if was_on and not self._on:
                 self._pause_draft()
-        lookups = self._lookups(keys, contexts, lookup_caps, serve=self._mode != PLAIN)
+        if self._mode == PLAIN:  # off is off: no contexts, no lookups, no draft work
+            self._lend(True)
+            return self._serve(drafts, rows, keys, [], temps_or_0, None, None)
+        token_ids = np.asarray(token_ids_cpu)  # a numpy array in vLLM 0.32, or a tensor
+        contexts = [token_ids[i, :n].copy() for i, n in zip(rows, lengths)]
+        lookups = self._lookups(keys, contexts, lookup_caps)
         disabled = getattr(self._client, "disabled", False)
         if not self._on or disabled:
             self._lend(True)  # the draft side gave up for good: lend for good
@@ -256,13 +260,11 @@ class DuoProposer(DraftSide, CoreLending):
         self._returned_at = None  # no step-time sample across the cap
         return True
 
-    def _lookups(self, keys, contexts, caps, serve: bool = True):
+    def _lookups(self, keys, contexts, caps):
         """Each row's lookup draft, the last step's scored first (``None``: no lookups)."""
         if self.lookup is None:
             return None
         self.lookup.observe(keys, contexts)
-        if not serve:
-            return None
         return [valid_prefix(d, self.target_vocab_size)
                 for d in self.lookup.propose(contexts, caps)]
 
@@ -389,7 +391,7 @@ class DuoProposer(DraftSide, CoreLending):
         self._held = bool(held)
         self._returned_at = None  # no step-time sample across the switch
 
-    def _observe_step(self, rows, contexts, num_tokens_no_spec, skip: bool = False) -> None:
+    def _observe_step(self, rows, num_tokens_no_spec, skip: bool = False) -> None:
         """The step that just ran: a sample of T(B, e) (from the last propose()'s return)
         and of its mode's rate (from its call). Prefill steps and idle gaps are none."""
         now = time.perf_counter()
