@@ -88,6 +88,8 @@ METHODS = {
     # commit): a before/after in one run, against the same baselines
     "duo-lend-base": dict(bind="0-1", base=True, duo={"parallel": True, "multi_sequence": True,
                                                       "budget": "auto"}),
+    "duo-full-base": dict(bind="0", base=True, duo={"parallel": True, "multi_sequence": True,
+                                                    "budget": "auto"}),
     # duo-lend with vLLM's engine core asking the worker for the drafts after each step
     # (duo_vllm's vllm.general_plugins entry point not loaded: duo_vllm/vllm/drafts_out.py)
     "duo-lend-rpc": dict(bind="0-1", no_plugin=True, duo={"parallel": True,
@@ -447,7 +449,8 @@ def run_method(name: str, target: str, prompts, tasks, args, workdir: Path,
         if not cwd or not (Path(cwd) / "duo_vllm").is_dir():
             return {"available": False, "reason": "DUO_BASE_SRC names no source tree"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, env.get("PYTHONPATH", "")]))
-        if not (Path(cwd) / "duo_vllm" / "plugin.py").is_file():
+        if not any((Path(cwd) / "duo_vllm" / p).is_file()
+                   for p in ("plugin.py", "vllm/plugin.py")):
             env["VLLM_PLUGINS"] = ""  # that tree has no vLLM plugin for the entry point
     if METHODS[name].get("no_plugin"):
         env["VLLM_PLUGINS"] = ""  # vLLM loads no general plugin, duo_vllm's included
