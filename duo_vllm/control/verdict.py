@@ -17,9 +17,9 @@ each a named number of :class:`Verdict`:
 1. A mode runs ``trial_steps`` steps before it is judged; the model's first
    ``warmup_steps`` steps after it turns on are not measured (the draft catches
    up).
-2. Every ``retry_every`` steps of a bucket, each other mode is tried again, one
-   after the other (measured afresh); then the fastest runs. A rival must beat
-   the mode that ran before by ``margin``: a tie keeps it.
+2. Every ``retry_every`` steps of a bucket, the rival tried least recently is
+   tried again (measured afresh); then the faster runs. A rival must beat the
+   mode that ran before by ``margin``: a tie keeps it.
 3. A new bucket starts in the winner of the nearest smaller bucket measured in
    every mode, if it lies within ``reach`` buckets; where none does, in the
    model at batch sizes up to ``2 ** reach`` and in lookups above. It tries the
@@ -67,6 +67,7 @@ class Verdict:
         self._retry_at: dict = {}  # bucket -> its step when the next round of trials is due
         self._round: dict = {}  # bucket -> (the mode before the round, modes still to try)
         self._scope: dict = {}  # bucket -> the request a verdict against the model is for
+        self._tried_at: dict = {}  # (bucket, mode) -> its step when the mode last began
         self._sums: dict = {}  # (bucket, mode) -> [tokens, seconds], decayed
         self.steps = {m: 0 for m in self.modes}  # steps run in each mode
         self.log: deque = deque(maxlen=32)  # the last trials and verdicts, for stats
@@ -95,8 +96,9 @@ class Verdict:
         if due and b in self._round:
             self._next_trial(b, key)
         elif due and self._clock[b] >= self._retry_at[b]:
-            others = [m for m in self.modes if m != self._mode[b]]
-            self._round[b] = (self._mode[b], others)
+            rival = min((m for m in self.modes if m != self._mode[b]),
+                        key=lambda m: self._tried_at.get((b, m), -1))
+            self._round[b] = (self._mode[b], [rival])
             self._next_trial(b, key)
         mode = self._mode[b]
         self.steps[mode] += 1
@@ -148,6 +150,7 @@ class Verdict:
 
     def _start(self, b) -> None:
         self._mode[b], self._run[b] = self._first(b), 0
+        self._tried_at[(b, self._mode[b])] = self._clock[b]
         self._retry_at[b] = self.retry_every
         # rule 3: what is not measured here yet, at once; the model only where it is
         # likely to pay (a burst of 16 new requests drafted on one core once ran 0.76x)
@@ -159,6 +162,7 @@ class Verdict:
 
     def _switch(self, b, mode: str, how: str) -> None:
         self._mode[b], self._run[b] = mode, 1  # the step under way is its first
+        self._tried_at[(b, mode)] = self._clock[b]
         self._sums.pop((b, mode), None)  # measured afresh
         self._note(b, mode, how)
 
