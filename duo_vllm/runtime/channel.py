@@ -1,19 +1,15 @@
 """A same-node draft actor's step calls over a Unix socket instead of Ray.
 
-vLLM waits for the drafts every step, so the call's own cost is on the
-critical path. On the 2-core dev VM a Ray actor call costs 0.7-1.9 ms beyond
-the method, a Unix-socket round trip 0.1-0.3 ms (benchmarks/README.md,
-"The step's call to the actor"). The actor listens on a Unix socket (Linux's
-abstract namespace: no file left behind by a killed actor; elsewhere a
-private 0700 directory), guarded by an authkey handed over through Ray; the
-proposer connects when it runs on the same Ray node. Ray still starts, places, kills
-and restarts the actor, and carries everything off the step path (start-up,
-stats); only the step's calls (``propose``, ``prefetch``, ``pause``) take
-the socket, all of them, so they keep their order as Ray kept it.
+vLLM waits for the drafts every step, and a socket round trip costs a fraction
+of a Ray actor call. The actor listens on a Unix socket (Linux's abstract
+namespace, so a killed actor leaves no file; elsewhere a private 0700
+directory) guarded by an authkey handed over through Ray. Ray still starts,
+places and restarts the actor and carries the calls off the step path; the
+step's calls (``propose``, ``prefetch``, ``pause``) all take the socket, so
+they keep their order.
 
 A call is a ticket: ``submit`` sends it, ``ready``/``get`` read the answers
-in the order they come (the actor answers in the order it was asked). A
-call sent with ``reply=False`` is answered by nobody (Ray's fire-and-forget).
+in the order the actor gives them; ``reply=False`` is fire-and-forget.
 """
 
 from __future__ import annotations
@@ -36,19 +32,16 @@ class RemoteError(Exception):
 
 
 class NoAnswer(Exception):
-    """No answer within the wait asked for (not an OSError: the actor is not known
-    to be gone)."""
+    """No answer within the wait (not an OSError: the actor is not known to be gone)."""
 
 
 class ChannelServer:
-    """The actor's end: serves ``methods`` of ``target`` on a Unix socket, one call at a
-    time a connection (as a Ray actor with ``max_concurrency=1``).
+    """The actor's end: serves ``methods`` of ``target``, one call at a time (as a Ray
+    actor with ``max_concurrency=1``).
 
-    Each connection has a reader thread that takes messages off the socket as they
-    come, so the proposer's sends never wait on a call under way here (a pause that
-    waits out a decode call, say), and a thread that runs them in order. The
-    authkey handshake runs in the connection's own thread: a client that connects
-    and stays silent stalls no one else.
+    Each connection has a reader thread, so the proposer's sends never wait on a call
+    under way, and a thread that runs the calls in order and does the authkey handshake
+    (a silent client stalls no one else).
     """
 
     def __init__(self, target, methods=STEP_METHODS):

@@ -1,25 +1,16 @@
 """The proposer's side of the draft actor: bounded waits, failures, restarts.
 
-vLLM's step loop must never hang on the draft side, and must never lose a
-request because of it. :class:`ActorClient` keeps both promises:
+vLLM's step loop must never hang on, nor lose a request to, the draft side:
 
-- ``propose`` waits at most a bounded time (``propose_timeout_s``; ``"auto"``
-  is the actor's usual answer time, TCP-retransmit style (smoothed answer time
-  plus four mean deviations), plus half a target step). A call that misses it
-  stays in flight and is dropped when it lands; until then every step goes
-  without a draft instead of queueing behind a stalled actor. A miss is
-  counted (in the stats); a call late by more than ``STALL_WARN_S`` is a stall
-  and is logged as a warning, as is its end.
-- when the actor dies, the step goes without a draft, a warning is logged
-  and a replacement actor is started in the background; drafting resumes
-  once it answers. After ``max_restarts`` failed replacements the proposer
-  stays on plain decoding for good and says so.
+- ``propose`` waits at most ``propose_timeout_s`` (``"auto"``: the actor's
+  smoothed answer time plus four mean deviations, plus half a target step). A
+  call that misses it is dropped when it lands; until then steps go without a
+  draft. Misses are counted; one later than ``STALL_WARN_S`` is logged.
+- a dead actor is replaced in the background while steps go without drafts;
+  after ``max_restarts`` replacements the proposer stays on plain decoding.
 
-The step's calls (``propose``, ``prefetch``, ``pause``) take a Unix socket
-when the actor runs on this Ray node (:mod:`duo_vllm.runtime.channel`: 0.5-1.6 ms
-less a step than Ray's call on the dev VM), else Ray.
-
-It does not know what the calls mean; :class:`duo_vllm.DuoProposer` does.
+The step's calls take a Unix socket (:mod:`duo_vllm.runtime.channel`) when the
+actor is on this Ray node, else Ray. What the calls mean is DuoProposer's business.
 """
 
 from __future__ import annotations
@@ -41,18 +32,14 @@ RETRY_S = 0.5  # wait before asking Ray again for a replacement actor
 
 def auto_timeout(answer_s: float | None, step_s: float | None,
                  answer_dev_s: float = 0.0) -> float:
-    """The default bound on one propose() wait: the actor's usual answer time (smoothed
-    mean + 4 mean deviations) plus half a target step."""
+    """The bound on one propose() wait: smoothed answer time + 4 deviations + half a step."""
     if answer_s is None or step_s is None:
         return AUTO_TIMEOUT_FIRST_S
     return max(AUTO_TIMEOUT_MIN_S, answer_s + 4 * answer_dev_s + STEP_FRACTION * step_s)
 
 
 class ActorClient:
-    """Calls a draft actor without ever blocking vLLM for long.
-
-    ``create`` starts (or attaches to) the actor and returns its handle.
-    """
+    """Calls a draft actor without ever blocking vLLM for long; ``create`` returns its handle."""
 
     def __init__(self, create: Callable[[], Any], timeout_s: float | str, max_restarts: int,
                  logger: logging.Logger):
@@ -88,9 +75,8 @@ class ActorClient:
         return actor.open_channel.remote() if _serves_channel(actor) else None
 
     def _connect(self, opening):
-        """The step's calls: over a Unix socket to an actor on this Ray node (``opening``:
-        its open_channel() call), else through Ray (another node, an actor that serves
-        no socket, a socket that does not open)."""
+        """The step's calls: the socket of ``opening`` (an open_channel() call) when the
+        actor is on this node and it opens, else Ray."""
         through_ray = RayCalls(self._ray, self.actor)
         try:
             here = self._ray.get_runtime_context().get_node_id()
@@ -107,7 +93,7 @@ class ActorClient:
         self.channel = True
         return calls
 
-    # --- blocking calls: start-up, stats -----------------------------------------------------
+    # blocking calls, off the step path (start-up, stats)
 
     def call(self, name: str, *args, timeout: float | None = None):
         return self._ray.get(getattr(self.actor, name).remote(*args), timeout=timeout)
@@ -120,8 +106,6 @@ class ActorClient:
 
     def get(self, ref, timeout: float | None = None):
         return self._ray.get(ref, timeout=timeout)
-
-    # --- the step's call ---------------------------------------------------------------------
 
     @property
     def healthy(self) -> bool:
@@ -154,12 +138,8 @@ class ActorClient:
         return drafts
 
     def prefetch(self, contexts) -> bool:
-        """Hand the actor prompts vLLM is about to prefill; never waits.
-
-        Skipped while the actor is stalled, restarting or gone (the next
-        propose() finds out). Ray runs one caller's calls to an actor in
-        order, so the prompts reach it before that step's propose().
-        """
+        """Hand the actor prompts vLLM is about to prefill; never waits, skipped while the
+        actor is unhealthy. Calls keep their order, so they arrive before that step's propose()."""
         if not self.healthy or self._pending is not None:
             return False
         try:
@@ -169,13 +149,11 @@ class ActorClient:
         return True
 
     def pause(self, wait_s: float = 0.0) -> bool:
-        """Tell the actor the gate turned drafting off (it drops its background work).
-        With ``wait_s``, wait that long at most for the actor to say its draft core is
-        idle (a target about to run on that core would otherwise share it with the
-        decode call under way); else never waits. Skipped while the actor is
-        unhealthy (stalled, restarting or gone). Unlike :meth:`prefetch` it is queued
-        behind a late call, once: the actor drops its work when that call ends,
-        instead of pre-drafting for steps that no longer ask."""
+        """Tell the actor the gate turned drafting off, so it drops its background work.
+
+        With ``wait_s``, wait at most that long for its draft cores to go idle (the target
+        is about to run on them). Skipped while unhealthy; behind a late call it is queued
+        once, without a wait, so the actor stops pre-drafting when that call ends."""
         if not self.healthy:
             return False
         if self._pending is not None:
@@ -223,19 +201,16 @@ class ActorClient:
         except Exception as e:
             self._on_error(e)
             return False
-        # the actor's real pace (a new prompt's prefill, say) raises the auto bound, a
-        # little at a time: a stall that lasted seconds counts as 4 bounds at most
+        # a late answer raises the auto bound a little: it counts as 4 bounds at most
         self._observe_answer(min(time.perf_counter() - t0, 4 * bound))
         if self._stall_warned:
             self._stall_warned = False
             self._log.warning("DuoProposer: the draft actor answers again; drafting resumes")
         return True
 
-    # --- failures and restarts ---------------------------------------------------------------
-
     def _on_error(self, error: Exception) -> None:
         if not _actor_gone(error):
-            # the actor is alive but the call failed: a bug, not a crash; do not retry it
+            # the actor is alive but its method raised: a bug that a retry would repeat
             self.disabled = True
             self._log.error("DuoProposer: the draft actor raised %s: %s; falling back to plain "
                             "decoding for good (output is unaffected, only slower)",
@@ -310,18 +285,11 @@ def _serves_channel(actor) -> bool:
 
 
 def _actor_gone(error: Exception) -> bool:
-    """Did the call fail because of Ray or the actor's process (died, unreachable, its
-    result lost with a worker or a node, its socket closed), not because the
-    drafter's code raised?
-
-    The first kind is worth a restart (bounded by ``max_restarts``); the second,
-    Ray's ``RayTaskError``, the socket's :class:`~duo_vllm.runtime.channel.RemoteError`, or
-    any other exception, would fail again.
-    """
+    """Did the call fail because the actor's process or Ray failed (worth a restart), not
+    because the drafter's code raised (``RayTaskError``, ``RemoteError``: would fail again)?"""
     from ray.exceptions import RayActorError, RayError, RayTaskError
 
-    # the drafter raised; Ray's RayTaskError is also an instance of the drafter's own
-    # exception class (an OSError, say), so this test comes first
+    # first: a RayTaskError is also an instance of the drafter's exception (an OSError, say)
     if isinstance(error, (RemoteError, RayTaskError)):
         return False
     if isinstance(error, (EOFError, OSError)):  # the socket: the actor's process is gone

@@ -1,22 +1,15 @@
-"""Each step's contexts as deltas: the draft actor keeps the contexts it was sent.
+"""Each step's contexts as deltas against the contexts the draft actor already holds.
 
-vLLM hands the proposer every running request's full context each step;
-pickling all of them into the actor call costs O(context) per row per step.
-:class:`DeltaSender` (proposer side) remembers, per request key, the context
-the receiver holds, and encodes a row as ``(key, start, check, new tokens)``:
-the receiver's ``context[:start]`` followed by the new tokens is the full
-context (``start`` 0: sent in full; ``check`` is ``context[start - 1]``, a
-cheap guard). :class:`DeltaReceiver` (actor side) decodes back to full
-``np.int32`` contexts.
+Sending every full context each step costs O(context) per row. :class:`DeltaSender`
+encodes a row as ``(key, start, check, new tokens)``: the receiver's
+``context[:start]`` plus the new tokens (``start`` 0: sent in full; ``check`` is
+``context[start - 1]``, a guard). :class:`DeltaReceiver` decodes full ``np.int32``
+contexts.
 
-The two sides stay in step because each delta is decoded exactly once, in
-order (Ray runs one caller's calls to an actor in order). Where they do not
-(a new actor holds nothing, a call that was never sent) a mismatch costs
-drafts, never a wrong context: the receiver gives such a row no context and
-names its key in :attr:`Drafts.resend`; the sender sends it in full next
-step. The proposer also resets the sender after a step without an answer
-and on an actor restart. Keys absent from a step are forgotten on both
-sides (finished requests): memory stays bounded by the batch.
+Deltas are decoded once, in order. A mismatch (a new actor, a call never sent)
+costs drafts, never a wrong context: the row gets no context and its key is named
+in :attr:`Drafts.resend`, to be sent in full next step. Keys absent from a step
+are forgotten on both sides, so memory is bounded by the batch.
 """
 
 from __future__ import annotations
@@ -36,12 +29,10 @@ class Delta(NamedTuple):
 
 
 class Drafts(list):
-    """A step's drafts (a list, one per row), the keys the receiver lacked and, for
-    drafts drawn from the draft's distribution, each row's q per token (None for
-    the others; :mod:`duo_vllm.draft.sampling`); ``idle``: the draft side has no work
-    left to run while the target runs the step (no pre-draft, no prefill), so its
-    cores are free for the step. A step with none of these returns a plain list
-    (it pickles faster)."""
+    """A step's drafts (one per row) with ``resend`` (the keys the receiver lacked),
+    ``q`` (each sampled row's draft probabilities, :mod:`duo_vllm.draft.sampling`) and
+    ``idle`` (the draft side leaves its cores free during the step). Without any of
+    these a step returns a plain list, which pickles faster."""
 
     def __init__(self, drafts=(), resend=(), q=None, idle: bool = False):
         super().__init__(drafts)
@@ -56,8 +47,7 @@ def _extends(ctx: np.ndarray, prev: np.ndarray) -> bool:
 
 
 class DeltaSender:
-    """The proposer's side. It keeps the arrays it encodes (callers must not change
-    them afterwards; the proposer's are copies of vLLM's token table)."""
+    """The proposer's side. It keeps the arrays it encodes: callers must not change them."""
 
     def __init__(self):
         self._sent: dict = {}  # key -> the context the receiver holds
@@ -93,8 +83,8 @@ class DeltaSender:
 
 
 class _Held:
-    """A key's context: a buffer that grows in place. Each position is written once,
-    so views handed out earlier (the drafter keeps some) never change."""
+    """A key's context, grown in place; each position is written once, so views handed
+    out earlier never change."""
 
     __slots__ = ("buf", "n")
 
@@ -125,8 +115,8 @@ class DeltaReceiver:
         self._held: dict = {}
 
     def decode(self, delta: Delta) -> tuple[list, list]:
-        """(each row's full context, or None where this side lacks what the row
-        extends; the keys of those rows, to be sent in full). Never raises."""
+        """(each row's full context or None where this side lacks its prefix, the keys
+        of the None rows). Never raises."""
         keys = list(delta.keys)
         try:
             return self._decode(keys, delta)

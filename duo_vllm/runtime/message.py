@@ -1,12 +1,5 @@
-"""The step's message to the draft side: one :class:`StepRequest` per vLLM step.
-
-The proposer builds it; it travels as one object through
-:class:`~duo_vllm.runtime.client.ActorClient` (Ray, or the Unix socket of
-:mod:`duo_vllm.runtime.channel`: it pickles) to
-:class:`~duo_vllm.runtime.actor.DraftWorker` and on to
-:meth:`duo_vllm.draft.drafter.DuoDrafter.propose`. The answer is a list of
-drafts, or a :class:`~duo_vllm.runtime.delta.Drafts`.
-"""
+"""The step's message to the draft side: one picklable :class:`StepRequest` per vLLM step,
+answered by a list of drafts or a :class:`~duo_vllm.runtime.delta.Drafts`."""
 
 from __future__ import annotations
 
@@ -20,14 +13,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class StepRequest:
-    """One vLLM step's rows (a row per request), as the draft side needs them.
+    """One vLLM step's rows (one per request); per-row fields are as long as ``contexts``,
+    or ``None`` where the proposer has nothing to say."""
 
-    The per-row fields are as long as ``contexts``; ``None`` where the
-    proposer has nothing to say (all greedy, no lookups, lengths unknown).
-    """
-
-    # each row's full context (int32 arrays or lists), or a Delta of them against the
-    # last step's (the worker keeps the contexts: duo_vllm.runtime.delta)
+    # each row's full context, or a duo_vllm.runtime.delta.Delta of them
     contexts: Any
     budgets: Sequence[int]  # most draft tokens per row
     step_s: float | None = None  # T₀(B): the target's plain step at this batch size

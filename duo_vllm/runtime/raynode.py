@@ -1,6 +1,5 @@
-"""The Ray instance the draft actor lives in: DuoProposer's private one (on loopback,
-its daemons on the draft's cores), or a cluster the user names; and a check that a
-node offers the resources the actor asks for."""
+"""The Ray instance of the draft actor: a private one on loopback, its daemons on the
+draft's cores, or the user's cluster; and a check that some node can place the actor."""
 
 from __future__ import annotations
 
@@ -14,9 +13,8 @@ from duo_vllm.host.pinning import pin_ray_daemons
 
 @contextmanager
 def daemon_affinity(cores: list[int] | None):
-    """Start Ray's daemons (raylet, GCS, idle workers) on ``cores``, else on any CPU of
-    the container: vLLM's CPU worker binds the calling thread to the target's cores,
-    and child processes would inherit that mask."""
+    """Start Ray's daemons on ``cores`` (else any allowed CPU): they would inherit the
+    target's core binding of vLLM's worker thread."""
     before = os.sched_getaffinity(0)
     try:
         os.sched_setaffinity(0, cores or allowed_cpus())
@@ -34,8 +32,7 @@ def private_ray(cfg: DuoConfig) -> bool:
 
 
 def ensure_ray(cfg: DuoConfig, cores: list[int] | None = None):
-    """Ray, initialised in this process if it is not; a private instance's daemons run on
-    ``cores`` (``None``: anywhere)."""
+    """Ray, initialised if it is not; a private instance's daemons run on ``cores``."""
     import ray
 
     if ray.is_initialized():
@@ -43,16 +40,14 @@ def ensure_ray(cfg: DuoConfig, cores: list[int] | None = None):
     kwargs = dict(namespace=cfg.namespace, include_dashboard=False,
                   logging_level=logging.WARNING, log_to_driver=True)
     if private_ray(cfg):
-        # A private local instance, on loopback only: nothing off this machine can reach
-        # it. Small object store: our messages are tiny.
-        # address="local": a new instance even if `ray start` left one running here.
+        # "local": a new instance even beside a `ray start` one; loopback: unreachable
+        # from other machines; a small object store: the messages are tiny
         kwargs["address"] = "local"
         kwargs["object_store_memory"] = 128 * 1024 * 1024
         kwargs["_node_ip_address"] = "127.0.0.1"
     else:
         kwargs["address"] = cfg.ray_address
-    # Ray's daemons would write their own metrics into vLLM's multiprocess metrics
-    # directory (duo-vllm serve sets it) and flood /metrics with ray_* series
+    # else Ray's daemons flood vLLM's multiprocess /metrics with ray_* series
     metrics_dir = os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     try:
         local = kwargs["address"] == "local"
