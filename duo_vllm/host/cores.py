@@ -1,13 +1,10 @@
-"""The draft's CPU cores on a real host: a few physical cores, where vLLM leaves room.
+"""The draft's CPU cores: a few physical cores where vLLM leaves room.
 
-vLLM-CPU binds its threads (``VLLM_CPU_OMP_THREADS_BIND``, ``OMP_PLACES``), so
-the draft takes cores that binding leaves free. GPU vLLM binds none: there
-the draft takes a few physical cores (one hyperthread of each) of one NUMA
-node, the GPU's where known, and leaves the rest to vLLM's processes.
-
-:func:`choose_draft_cores` decides, as a pure function of the facts read by
-:func:`read_topology`, :func:`cgroup_cpu_limit` and :func:`gpu_numa_node`;
-those read ``/sys`` through an injectable ``read`` so tests fake any host.
+On vLLM-CPU the draft takes cores the target's binding leaves free; on GPU vLLM
+(no binding) a few physical cores of one NUMA node, the GPU's where known.
+:func:`choose_draft_cores` is a pure function of what :func:`read_topology`,
+:func:`cgroup_cpu_limit` and :func:`gpu_numa_node` read from ``/sys`` through an
+injectable ``read``, so tests can fake any host.
 """
 
 from __future__ import annotations
@@ -16,14 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-# Most llama.cpp threads a draft gets unless n_threads says otherwise. A draft of
-# 0.1-1B parameters decodes a token as a few hundred small matrix-vector products
-# (576-2048 wide); llama.cpp splits each across its threads and joins them at a
-# barrier after every op. Past about 8 threads a thread's share of such an op is a
-# few microseconds, no longer than the barrier, and the token time stops falling
-# while every extra thread spins on a core vLLM could use. A bound from that
-# reasoning, not a measurement on a GPU host: set n_threads (and draft_cores) to use
-# more.
+# Most llama.cpp threads a draft gets by default: a small draft's matrix-vector ops are
+# so short that past this, llama.cpp's per-op barrier costs more than another thread saves.
 MAX_DRAFT_THREADS = 8
 
 SYS_CPU = "/sys/devices/system/cpu"
@@ -75,8 +66,7 @@ class Topology:
 
 
 def read_topology(cpus: Iterable[int], read: Reader = read_text) -> Topology:
-    """The sibling map and NUMA nodes of ``cpus`` from /sys (a CPU the files do not
-    describe is a core of its own, on node 0)."""
+    """The sibling map and NUMA nodes of ``cpus`` (an undescribed CPU: its own core, node 0)."""
     cpus = list(cpus)
     siblings = {}
     for c in cpus:
@@ -102,8 +92,7 @@ def read_topology(cpus: Iterable[int], read: Reader = read_text) -> Topology:
 
 
 def parse_cpu_max(text: str | None) -> int | None:
-    """CPUs a cgroup v2 ``cpu.max`` ("quota period") allows: floor(quota / period),
-    at least 1; ``None`` for "max" (no quota) or an unreadable file."""
+    """floor(quota / period), at least 1, of a ``cpu.max`` text; ``None``: no quota."""
     if not text:
         return None
     parts = text.split()
@@ -131,8 +120,7 @@ def cgroup_cpu_limit(read: Reader = read_text) -> int | None:
 
 
 def gpu_numa_node(read: Reader = read_text) -> int | None:
-    """The NUMA node of this process's GPU, where vLLM's platform can tell cheaply
-    (CUDA through NVML); ``None`` elsewhere (vLLM-CPU, no vLLM, no NVML)."""
+    """The NUMA node of this process's GPU where vLLM's platform tells it (CUDA), else None."""
     try:
         from vllm.platforms import current_platform
 
@@ -155,14 +143,13 @@ def gpu_numa_node(read: Reader = read_text) -> int | None:
         return None
     if node is None or int(node) < 0:
         return None
-    # a node without CPUs (a GPU's own memory node on some systems) is no place for the draft
+    # a node without CPUs (a GPU's own memory node) is no place for the draft
     return int(node) if read(f"{SYS_NODE}/node{int(node)}/cpulist") else None
 
 
 @dataclass(frozen=True)
 class CoreChoice:
-    """The draft's cores; ``shared``: they are cores the target is bound to as well;
-    ``reason``: why, for the start-up log."""
+    """The draft's cores; ``shared``: the target is bound to them too; ``reason``: for the log."""
 
     cores: list[int]
     shared: bool
@@ -175,22 +162,16 @@ def choose_draft_cores(available: Iterable[int], taken: Iterable[int] | None,
                        max_threads: int = MAX_DRAFT_THREADS) -> CoreChoice:
     """The draft's cores when the user names none.
 
-    ``available``: the CPUs this container may use; ``taken``: the target's
-    cores from vLLM's CPU binding (``None``: vLLM binds none, as on a GPU);
-    ``quota``: the cgroup's CPU quota in CPUs (``None``: none);
-    ``preferred_node``: the GPU's NUMA node, if known.
+    ``taken``: the target's cores from vLLM's CPU binding (``None``: no binding, as
+    on a GPU); ``quota``: the cgroup's CPU quota; ``preferred_node``: the GPU's node.
 
-    * vLLM binds cores: the draft takes free physical cores (cores whose
-      hyperthreads the target does not use first), at most ``max_threads`` and
-      the quota left after the target's cores. None free: it shares the last CPU.
-    * vLLM binds none: the draft takes physical cores of one NUMA node, the
-      preferred one if it has any, else the one with the most; at most
-      ``max_threads``, half the node's cores and half the quota, so vLLM's own
-      processes keep the rest. The highest-numbered cores first (the OS and
-      most processes start on the low ones).
+    * bound: free physical cores, those sharing no hyperthread with the target
+      first, at most ``max_threads`` and the quota left; none free: the last CPU, shared.
+    * unbound: physical cores of one NUMA node (the preferred, else the one with the
+      most), at most ``max_threads``, half the node and half the quota, so vLLM's
+      processes keep the rest; highest-numbered first, as the OS favours low ones.
 
-    One CPU per physical core: llama.cpp's threads gain nothing from a
-    core's second hyperthread, and would take it from whoever runs there.
+    One CPU per physical core: a second hyperthread gains llama.cpp nothing.
     """
     allowed = sorted(set(available))
     topo = topology or Topology({c: (c,) for c in allowed}, {c: 0 for c in allowed})
@@ -257,10 +238,8 @@ def choose_draft_cores(available: Iterable[int], taken: Iterable[int] | None,
 
 def draft_threads(n_threads: int | None, n_cores: int,
                   max_threads: int = MAX_DRAFT_THREADS) -> tuple[int, str | None]:
-    """llama.cpp's thread count on ``n_cores`` pinned cores, and a warning if the
-    option had to be lowered: one per core up to ``max_threads`` by default, and
-    never more than the cores (llama.cpp's threads spin at barriers; two on one
-    core wait for each other)."""
+    """(llama.cpp's thread count on ``n_cores`` cores, a warning if ``n_threads`` was
+    lowered): never more than the cores, as threads sharing a core spin at barriers."""
     n_cores = max(1, n_cores)
     if n_threads is None:
         return min(n_cores, max_threads), None

@@ -1,23 +1,10 @@
-"""Which process runs on which cores: the draft actor, Ray's daemons, vLLM's engine core.
+"""Keep the draft actor, Ray's daemons and vLLM's engine core off the target's cores.
 
-On vLLM-CPU the target is bound to its cores, and it is as fast as it is only
-while it has them to itself. Plain vLLM leaves every other process free to run
-anywhere, and on a box with few cores that costs it nothing: the spare cores
-are idle. With a draft on the spare cores, the scheduler moves whatever is
-left onto the target's:
-
-- vLLM's engine core process polls the worker for each step's output,
-  busy-looping with ``sched_yield`` (``shm_broadcast``); while the draft
-  computes on the spare core, Linux balances the poller onto the target's
-  core, and the target loses time slices to it;
-- Ray's daemons (raylet, GCS, idle workers, agents) start with whatever mask
-  the thread that starts them has;
-- ``sched_setaffinity(0, ...)`` pins one thread, and a Ray actor's process has
-  threads of its own before the actor pins itself.
-
-The functions here move each of them off the target's cores. All of it is
-best effort: a thread or process that cannot be moved is left where it is
-(Ray's daemons not found is logged at debug level); it never stops vLLM.
+A CPU target is only as fast as it is while it has its cores to itself. Once the
+draft occupies the spare cores, Linux balances other processes onto the target's:
+vLLM's engine core busy-polls the worker (``shm_broadcast``), Ray's daemons inherit
+the mask of the thread that starts them, and ``sched_setaffinity(0, ...)`` pins one
+thread only. Everything here is best effort: what cannot be moved stays put.
 """
 
 from __future__ import annotations
@@ -32,8 +19,8 @@ ENGINE_CORE_NAME = "VLLM::EngineCor"  # a process's comm is cut at 15 characters
 
 
 def off_target(available: list[int], target: list[int] | None) -> list[int] | None:
-    """The cores for vLLM's and Ray's other processes: every available one but the
-    target's; ``None`` (leave them be) when vLLM binds no cores, or binds them all."""
+    """Every available core but the target's; ``None`` (leave them be) when vLLM binds no
+    cores or all of them."""
     if not target:
         return None
     rest = sorted(set(available) - set(target))
@@ -49,8 +36,7 @@ def threads(pid: int | str = "self", proc: str = PROC) -> list[int]:
 
 
 def pin_threads(pid: int | str, cores: list[int], proc: str = PROC) -> int:
-    """Pin every thread of process ``pid`` to ``cores``; the number of threads pinned
-    (threads that ended meanwhile, or that we may not move, are skipped)."""
+    """Pin every thread of ``pid`` to ``cores``; the number pinned (others are skipped)."""
     pinned = 0
     for tid in threads(pid, proc):
         try:
@@ -86,9 +72,7 @@ def process_name(pid: int, proc: str = PROC) -> str:
 
 
 def pin_tree(pids: list[int], cores: list[int], proc: str = PROC) -> int:
-    """Pin ``pids`` and every process below them, all their threads; processes pinned.
-
-    Processes started later by one of them inherit its mask."""
+    """Pin ``pids`` and every process below them, all threads; the processes pinned."""
     done = set()
     for pid in pids:
         for p in [pid, *descendants(pid, proc)]:
@@ -98,8 +82,8 @@ def pin_tree(pids: list[int], cores: list[int], proc: str = PROC) -> int:
 
 
 def pin_ray_daemons(cores: list[int]) -> int:
-    """Pin the processes of the Ray node this process started (``ray.init`` with a
-    private local instance) and their children; the number pinned (0: none known)."""
+    """Pin the processes of the private Ray node this process started, and their children;
+    the number pinned. Relies on Ray's private ``_global_node``."""
     try:
         import ray
 
@@ -113,28 +97,21 @@ def pin_ray_daemons(cores: list[int]) -> int:
 
 
 def engine_core(proc: str = PROC) -> int | None:
-    """vLLM's engine core process, when it is this worker's parent; ``None`` where the
-    parent is no engine core (one process, GPU vLLM's uniprocess executor, tests)."""
+    """vLLM's engine core process when it is this worker's parent, else ``None``."""
     parent = os.getppid()
     return parent if process_name(parent, proc).startswith(ENGINE_CORE_NAME) else None
 
 
 def move_engine_core(cores: list[int], proc: str = PROC) -> int | None:
-    """Pin vLLM's engine core process (:func:`engine_core`) to ``cores``; its pid, or
-    ``None`` where there is none."""
+    """Pin vLLM's engine core (:func:`engine_core`) to ``cores``; its pid, or ``None``."""
     pid = engine_core(proc)
     return pid if pid is not None and pin_threads(pid, cores, proc) else None
 
 
 class EngineCorePlace:
-    """vLLM's engine core beside a target that lends it the draft's cores: on those
-    cores while the draft drafts (off the target's), where vLLM left it while the
-    target runs on every core, as in plain vLLM.
-
-    Pinned to a core the target runs on too, its busy-polling took 3-4x the CPU
-    time it takes unpinned, on the core of one of the target's OpenMP threads
-    (batch 16, `benchmarks/README.md`).
-    """
+    """vLLM's engine core beside a lending target: on the draft's cores while drafting,
+    where vLLM left it while the target has every core (pinned onto a target core, its
+    busy-polling would take that core's time)."""
 
     def __init__(self, pid: int, drafting: list[int], proc: str = PROC):
         self.pid, self.drafting, self.proc = pid, list(drafting), proc
