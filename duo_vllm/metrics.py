@@ -1,27 +1,18 @@
-"""DuoProposer's draft statistics as Prometheus metrics (``duo:`` prefix) on vLLM's ``/metrics``.
+"""DuoProposer's statistics as Prometheus metrics (``duo:`` prefix) on vLLM's ``/metrics``.
 
-Route: prometheus_client's multiprocess mode, which vLLM itself supports.
-The proposer runs in vLLM's engine-core process, while ``/metrics`` is
-served by the API server process. When ``PROMETHEUS_MULTIPROC_DIR`` is set
-before both start, every prometheus_client metric, ours included, is
-written to memory-mapped files in that directory, and vLLM's ``/metrics``
-(``vllm.v1.metrics.prometheus.get_prometheus_registry``) reads them all back
-through a ``MultiProcessCollector``. ``duo-vllm serve`` sets the variable to
-a fresh directory unless the user has; a bare ``vllm serve`` /
-``python -m vllm.entrypoints.openai.api_server`` needs it exported by hand
-(vLLM sets it on its own only with ``--api-server-count`` > 1). No HTTP
-server of ours, nothing in Ray's metrics (DuoProposer's private Ray runs no
-metrics agent), and without the variable publishing still works: the values
-sit in the engine process's default registry.
+The proposer runs in vLLM's engine-core process and ``/metrics`` is served by the API
+server, so the metrics go through prometheus_client's multiprocess mode, as vLLM's own:
+with ``PROMETHEUS_MULTIPROC_DIR`` set before both start, every process writes its metrics
+to files there and vLLM's registry reads them all back. ``duo-vllm serve`` sets it to a
+fresh directory unless the user has; a bare ``vllm serve`` needs it exported (vLLM sets
+it only with ``--api-server-count`` > 1). Without it the values stay in the engine
+process's default registry.
 
-What is exported is :meth:`DuoProposer.stats` as it is logged (every 10 s
-of drafting, by :class:`Reporter`): every numeric key, so keys added
-later appear without a change here. An ``int`` is a cumulative count, a
-counter ``duo:<key>_total`` (a drop, as when a restarted draft actor starts
-from zero, counts as a reset); a ``float`` is a rate or a time, a gauge
-``duo:<key>``; ``True``/``False`` is a gauge of 1/0. A dict of numbers is
-one metric with a label (e.g. ``duo:target_step_ms_by_batch{batch="4"}``);
-anything else, and NaN or ``None`` (no sample yet), is skipped.
+Exported is :meth:`DuoProposer.stats` as :class:`Reporter` logs it, every numeric key (new
+keys need no change here): an ``int`` is a counter ``duo:<key>_total`` (a drop, as from a
+restarted draft actor, counts as a reset); a ``float`` a gauge ``duo:<key>``; a bool a
+gauge of 1/0; a dict of numbers one metric with a label (e.g.
+``duo:target_step_ms_by_batch{batch="4"}``). Anything else, NaN and ``None`` are skipped.
 """
 
 from __future__ import annotations
@@ -136,7 +127,7 @@ def publish(stats: dict) -> None:
 class Reporter:
     """Every ``interval_s``, DuoProposer's statistics (the draft side's and its own,
     ``local()``) published as metrics and logged, without blocking the step: the actor's
-    half is asked for (``client.submit``), and read once it is there."""
+    half is asked for (``client.submit``) and read on a later step, once it is there."""
 
     def __init__(self, local, client=None, worker=None, log=logger, interval_s: float = 10.0):
         self.local, self.client, self.worker, self.log = local, client, worker, log

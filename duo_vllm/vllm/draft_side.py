@@ -93,8 +93,8 @@ class DraftSide:
             plan = lend_plan(bind_order(os.environ), cores, torch.get_num_threads())
         if plan is not None:
             self._threads = TargetThreads(plan)
-            # plain decoding here runs on the draft's cores too: a batch-1 win says
-            # nothing of batch 2 (measured: drafting lost to it at batch 2-7)
+            # plain decoding here runs on the draft's cores too: a win at batch 1 says
+            # nothing of larger batches
             self.verdict.reach = 0
             logger.info("DuoProposer: the target lends CPU(s) %s to the draft: %d OpenMP "
                         "threads while the draft model is off, %d while it drafts",

@@ -1,25 +1,21 @@
 """The step's drafts ride on its output: one call less a step in vLLM's engine core.
 
-Without async scheduling (a custom proposer turns it off) vLLM's engine core
-asks the worker for the drafts in a second call after each step
-(``EngineCore.post_step`` -> ``take_draft_token_ids``), although the worker
-had them when it returned the step's output: with the multiprocess executor
-(every vLLM-CPU engine; GPU engines with tensor parallelism) that is a second
-round trip through its message queues, on the critical path of every step.
+Without async scheduling (a custom proposer turns it off) the engine core asks the worker
+for the drafts in a second call after each step (``EngineCore.post_step`` ->
+``take_draft_token_ids``), though the worker had them when it returned the step's output:
+with the multiprocess executor (every vLLM-CPU engine; GPU engines with tensor
+parallelism) a second round trip through its message queues on every step's critical path.
 
-Two small wraps close it:
+- worker side (:func:`attach_drafts`, on the model runner that hosts a DuoProposer):
+  ``sample_tokens``'s output carries what ``take_draft_token_ids`` would answer right
+  after it (nothing runs on the worker between the two);
+- engine-core side (:func:`install_drafts_from_output`, from the ``vllm.general_plugins``
+  entry point :func:`duo_vllm.vllm.plugin.register`): the executor's
+  ``take_draft_token_ids`` answers from the step's output when it carried drafts.
 
-- worker side (:func:`attach_drafts`, on the model runner that hosts a
-  DuoProposer): ``sample_tokens``'s output carries what ``take_draft_token_ids``
-  would answer right after it (nothing runs on the worker between the two);
-- engine-core side (:func:`install_drafts_from_output`, from the
-  ``vllm.general_plugins`` entry point :func:`duo_vllm.vllm.plugin.register`, which
-  vLLM loads in the engine core): the executor's ``take_draft_token_ids`` answers
-  from the step's output when it carried drafts, and calls the worker otherwise.
-
-Either side alone changes nothing: an output without drafts (another proposer,
-a plugin not loaded, a Future under pipeline parallelism) takes vLLM's own
-call, and drafts no one reads are dropped with the output.
+Either side alone changes nothing: an output without drafts (another proposer, no plugin,
+a Future under pipeline parallelism) takes vLLM's own call; drafts no one reads are
+dropped with the output.
 """
 
 from __future__ import annotations

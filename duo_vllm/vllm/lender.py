@@ -1,11 +1,11 @@
 """DuoProposer's side of lending the draft's cores to a CPU target
-(:mod:`duo_vllm.host.lending`): when a step lends them, and the target's oneDNN
-matmuls remade for the thread count a step runs on.
+(:mod:`duo_vllm.host.lending`): which steps lend them, and the target's oneDNN matmuls
+remade for the thread count a step runs on (a primitive runs on the thread count it was
+made for).
 
-:class:`CoreLending` is mixed into :class:`duo_vllm.vllm.proposer.DuoProposer`; it
-reads the proposer's ``_threads`` (:class:`TargetThreads`, ``None`` where the target
-lends nothing), ``_primitives``, ``_engine_place``, ``_client``/``_worker`` and
-``step_time``.
+:class:`CoreLending` is mixed into :class:`duo_vllm.vllm.proposer.DuoProposer`; it reads
+the proposer's ``_threads`` (:class:`TargetThreads`, ``None`` where the target lends
+nothing), ``_primitives``, ``_engine_place``, ``_client``/``_worker`` and ``step_time``.
 """
 
 from __future__ import annotations
@@ -16,12 +16,11 @@ from duo_vllm.host.lending import WARM_ROWS, MatmulPrimitives, lend_prefill, rem
 from duo_vllm.logs import vllm_logger
 
 logger = vllm_logger("duo_vllm.vllm.proposer")
-# a remake of the target's oneDNN matmuls before it is measured (0.3-0.5 s measured in
-# vLLM's worker, 2-core VMs), and the weight of each measurement
+# a remake of the target's matmuls until one is measured, and each measurement's weight
 REMAKE_S, REMAKE_WEIGHT = 0.4, 0.3
-# a prompt token on the target's own threads before its step time is measured
+# a prompt token on the target's own threads until its step time is measured
 PREFILL_TOKEN_S = 0.0015
-# the most a lend waits for the draft's decode call under way (one call: 10-60 ms here)
+# the most a lend waits for the draft's decode call under way to end
 PAUSE_WAIT_S = 0.25
 
 
@@ -29,12 +28,10 @@ class CoreLending:
     """The lending half of DuoProposer (module docstring)."""
 
     def _free_cores(self, idle: bool, drafts, partial: bool) -> bool:
-        """Drafting is on, and the draft side has nothing to run while the target runs
-        this step (``idle``: no pre-draft, no prefill; say, a request it holds
-        nothing of, too far behind to catch up, or one where no draft pays): its cores
-        are lent for the step. Not where that step's row count ran on fewer threads
-        (a full-width step would need the oneDNN matmuls remade first, 0.35-0.45 s),
-        nor where it cannot be told (a partial prefill in the step)."""
+        """Lend the draft's cores for this step? Only where the draft side has nothing
+        to run meanwhile (``idle``: no pre-draft, no prefill), the step holds no partial
+        prefill, and no remake of the matmuls is due for its row count (without the step
+        hook: only once lent, as each lend remakes them)."""
         if not idle or partial:
             return False
         if self._primitives is None or not self._remaking:
@@ -67,9 +64,8 @@ class CoreLending:
 
     def _pause_draft(self) -> None:
         """The gate turned drafting off: the draft side drops its background work. A
-        target that is about to take the draft's cores (lending) first waits, a bounded
-        while, for the decode call under way to end: the two on one core slow each
-        other several-fold (measured: the steps around a lend lost 0.3-0.7 s)."""
+        target about to take the draft's cores first waits, a bounded while, for the
+        decode call under way to end: the two on one core slow each other several-fold."""
         if self._client is None and self._worker is None:
             return  # lookups only: no draft side
         wait = self._threads is not None and self._threads.lent is False
@@ -82,16 +78,14 @@ class CoreLending:
             logger.debug("DuoProposer: pause failed (%s: %s)", type(e).__name__, e)
 
     def load_model(self, model=None, *args, **kwargs) -> None:
-        """vLLM hook with the target model; the draft model is loaded by the actor at
-        construction. A target that lends cores makes its decode-sized oneDNN matmul
-        primitives for every thread here, and remakes them after a lend (they run on
-        the thread count they were first made for): before the first lent step that
-        would reuse one made on fewer, else at the lend itself."""
+        """vLLM's hook with the target model (the actor loads the draft at start-up). A
+        target that lends cores makes its decode-sized oneDNN matmuls for every thread
+        here, and remakes them before a lent step that would reuse one made on fewer
+        threads (with the step hook), else at each lend."""
         if self._threads is None or model is None or not hasattr(model, "modules"):
             return
         try:
-            # the decode-sized shapes are made up front where the step hook tells which
-            # steps need a refresh (without it, every lend refreshes)
+            # decode-sized shapes up front only where the step hook tells which steps refresh
             primitives = MatmulPrimitives(model, warm_rows=WARM_ROWS if self._hooked else 0)
             if primitives.linears and onednn_acl():
                 # oneDNN on Arm's ACL re-packs the weights for each new input layout
@@ -123,7 +117,7 @@ class CoreLending:
 
     def _remake_pays(self, prefill: int) -> bool:
         """Would remaking the matmuls before a lent step of ``prefill`` prompt tokens repay
-        its measured cost?"""
+        the remake's cost (a moving average of its measured time)?"""
         per_token = self.step_time.per_token()  # a token on the target's own threads
         return remake_pays(prefill, PREFILL_TOKEN_S if per_token is None else per_token,
                            self._threads.drafting, self._threads.full, self._remake_s)

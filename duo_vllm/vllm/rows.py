@@ -37,6 +37,7 @@ def tokens_left(runner, rows: list[int], num_tokens_no_spec) -> list[int | None]
 
 
 def temperatures(runner, rows: list[int]) -> list[float] | None:
+    """Each row's temperature as vLLM's input batch holds it."""
     temps = getattr(_batch(runner), "temperature_cpu", None)
     return None if temps is None else [float(temps[i]) for i in rows]
 
