@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from duo_vllm.draft.drafter import DraftPolicy, DuoDrafter
+from duo_vllm.control.drafting import CATCH_UP, PREFILL_CHUNK
 from duo_vllm.control.goodput import PROBE_EVERY
 from duo_vllm.runtime.message import StepRequest
 from tests.fakes import FakeBackend
@@ -387,14 +388,14 @@ def test_long_new_context_is_prefilled_in_the_background_in_chunks():
     calls = []
     # asked before each chunk: the third time, after two chunks, a step is waiting
     d.predraft(interrupt=lambda: calls.append(1) or len(calls) >= 3)
-    assert len(d.pool.slots[0].tokens) == 2 * d.PREFILL_CHUNK and 0 not in d.trees
+    assert len(d.pool.slots[0].tokens) == 2 * PREFILL_CHUNK and 0 not in d.trees
     # the next step: still prefilling, so again no draft; the prefill resumes where it was
     b = be.next_token(int(prompt[-1]))
     grown = np.append(prompt, np.int32(b))
     assert d.propose(StepRequest([grown], [3])) == [[]]
     be.evaluated.clear()
     d.predraft()
-    assert be.evaluated[0][2] == 2 * d.PREFILL_CHUNK  # resumed, not restarted
+    assert be.evaluated[0][2] == 2 * PREFILL_CHUNK  # resumed, not restarted
     (draft,) = d.propose(StepRequest([np.append(grown, np.int32(be.next_token(b)))], [3]))
     assert draft == be.chain(be.next_token(b), 3) and d.stats.predraft_hits == 1
 
@@ -412,18 +413,18 @@ def test_new_prompts_share_prefill_chunks_shortest_first_and_hold_back_no_tree()
     slot = {name: job.slot_id for name, job in zip("abs", d.jobs)}
 
     def chunks():
-        return [(seq, len(t)) for seq, t, _ in be.evaluated if len(t) > d.CATCH_UP]
+        return [(seq, len(t)) for seq, t, _ in be.evaluated if len(t) > CATCH_UP]
 
     d.predraft(interrupt=lambda: bool(chunks()))  # a step comes after one prefill chunk
     assert list(d.trees) == [slot["s"]]  # the short prompt's branches did not wait
-    assert chunks() == [(slot["b"], d.PREFILL_CHUNK)]  # the shorter long prompt first
+    assert chunks() == [(slot["b"], PREFILL_CHUNK)]  # the shorter long prompt first
     # the step: the short request is served from its tree, the others wait for theirs
     grown = [np.append(p, np.int32(be.next_token(int(p[-1])))) for p in prompts]
     drafts = d.propose(StepRequest(grown, [3] * 3))
     assert drafts[2] == be.chain(int(grown[2][-1]), 3) and drafts[:2] == [[], []]
     d.predraft()
     assert sorted(d.trees) == sorted(slot.values())
-    assert max(sizes) <= d.PREFILL_CHUNK  # no decode call outlasts one chunk
+    assert max(sizes) <= PREFILL_CHUNK  # no decode call outlasts one chunk
     again = [np.append(g, np.int32(be.next_token(int(g[-1])))) for g in grown[:2]]
     accepted = np.concatenate([grown[2], drafts[2]])  # all of the short one's draft, + bonus
     again.append(np.append(accepted, np.int32(be.next_token(int(accepted[-1])))))
@@ -566,7 +567,7 @@ def test_a_long_prompt_in_the_background_never_blanks_the_other_rows():
             time.sleep(0.05)
         assert w.drafter.stats.skipped_busy == 0
         # the prefill went on in chunks sized to a fraction of the target step
-        assert max(len(t) for _, t, _ in be.evaluated) <= w.drafter.PREFILL_CHUNK
+        assert max(len(t) for _, t, _ in be.evaluated) <= PREFILL_CHUNK
     finally:
         w.close()
 

@@ -32,12 +32,19 @@ from duo_vllm.draft.branching import (
     top_candidates,
 )
 from duo_vllm.sources.lookup import Hint, serve as serve_rule
+from duo_vllm.control.drafting import (
+    MAX_HEDGES, PRIOR_PREFILL_S, PRIOR_STEP_S, assumed_cost, call_overruns, extends_branch,
+    floor_streak_after, hedges_on, lookup_fallback, needs_prefill, pick_hedges,
+    predraft_catch_up, predraft_deadline, prefill_chunk, prefill_in_background,
+    prefills_prompts, probe_affordable, probe_due, prompt_depth, reroot_candidates,
+    restore_pays, sync_catch_up,
+)
 from duo_vllm.control.goodput import (
-    PROBE_EVERY, Acceptance, DraftTimeModel, TargetCost, catch_up_pays, expected_accepted,
-    hedge_probs, plan_predraft, plan_served, plan_sync, predraft_roots, regime,
+    Acceptance, DraftTimeModel, TargetCost, catch_up_pays, expected_accepted, plan_predraft,
+    plan_served, plan_sync, predraft_roots, regime,
 )
 from duo_vllm.draft.sampling import draft_q, sample_q
-from duo_vllm.draft.prompt_cache import PromptCache, restore_pays
+from duo_vllm.draft.prompt_cache import PromptCache
 from duo_vllm.draft.slots import Assignment, Slot, SlotPool, common_prefix_len, pool_window, window_view
 from duo_vllm.runtime.message import StepRequest
 from duo_vllm.stats import DraftStats, Ema
@@ -109,13 +116,6 @@ class DuoDrafter:
     owns the draft state; the decisions are the controller's.
     """
 
-    PREFILL_CHUNK = 64  # tokens per decode call when prefilling in the background
-    MIN_PREFILL_CHUNK = 16  # ... when other requests' pre-drafts wait behind it
-    CATCH_UP = 16  # a pre-draft job further behind than this holds a new prompt
-    FLOOR_PREFETCH = 4  # after this many steps without drafts, new prompts are not prefilled
-    PROBE_CATCH_UP_STEPS = 4  # most target steps of prefill a probe may cost
-    MAX_HEDGES = 2  # hedge branches per request and pre-draft, at most
-
     def __init__(self, backend, max_sequences: int, n_ctx: int, policy: DraftPolicy,
                  window: int | None = None, seed: int | None = None, cache_bytes: int = 0):
         self.backend, self.n_ctx, self.policy = backend, n_ctx, policy
@@ -125,10 +125,8 @@ class DuoDrafter:
         self.last_q: list = []  # each row's q of its last draft (None: not drawn)
         self.pool = SlotPool(max_sequences, window=pool_window(window, n_ctx))
         self.n_extra = max(policy.max_branches - 1, 0)
-        # hedges need the controller's pre-draft and branch sequences to spare: only
-        # then is each greedy token's runner_up() kept (a vocabulary pass per token)
-        self.hedging = (policy.predrafts and policy.budget is None and policy.multi_sequence
-                        and self.n_extra > 0)
+        self.hedging = hedges_on(policy.predrafts, policy.budget is None, policy.multi_sequence,
+                                 self.n_extra)
         self.trees: dict[int, Tree] = {}
         self.last_draft: dict[int, tuple[int, list[int], str]] = {}
         self.jobs: list[_Job] = []
@@ -222,9 +220,10 @@ class DuoDrafter:
         return keep
 
     def _cost(self) -> TargetCost:
-        t0 = self.target_step_s or 0.05
-        c = self.per_token_s if self.per_token_s is not None else 0.1 * t0
-        return TargetCost(t0, c)
+        return assumed_cost(self.target_step_s, self.per_token_s)
+
+    def _prefill_token_s(self) -> float:
+        return self.prefill_s.get(PRIOR_PREFILL_S)
 
     # -- one vLLM step ---------------------------------------------------------
     def propose(self, step: StepRequest, serve: bool = True) -> list[list[int]]:
@@ -296,11 +295,10 @@ class DuoDrafter:
             st.returned_tokens += len(draft)
             st.chosen_lengths[len(draft)] += 1
             self.quiet[r.slot.seq_id] = 0 if draft else self.quiet.get(r.slot.seq_id, 0) + 1
-        if serve and (hits or misses) and not any(out[r.row] for r in rows):
-            st.floor_steps += 1
-            self.floor_streak += 1
-        elif any(out[r.row] for r in rows):
-            self.floor_streak = 0
+        asked = serve and bool(hits or misses)
+        drafted = any(out[r.row] for r in rows)
+        st.floor_steps += asked and not drafted
+        self.floor_streak = floor_streak_after(self.floor_streak, asked, drafted)
         served, p_served, shorter = self._served(rows, out, hints, self.last_q)
         self.expected_step_s = cost.step(sum(len(d) for d in served))
         # the runner-ups of the model's tokens served, where a hedge may root
@@ -375,8 +373,10 @@ class DuoDrafter:
             if branch is None:
                 self._clear_tree(slot.seq_id)
                 catch_up = len(ctx) - a.reuse
-                background = not serve or self._prefill_in_background(catch_up, len(contexts))
-                if background and catch_up > self.CATCH_UP:
+                background = not serve or (policy.predrafts and prefill_in_background(
+                    catch_up, len(contexts), self.target_step_s or PRIOR_STEP_S,
+                    self._prefill_token_s(), policy.k))
+                if background and needs_prefill(catch_up):
                     slot.queued = ctx  # a prompt for the background: the slot's name till then
                     slot.queued_at = self.pool.clock
             rows.append(_Row(row, slot, ctx, k, temp, self.acceptance.alpha(slot.seq_id, reg),
@@ -392,18 +392,15 @@ class DuoDrafter:
             return [r.available for r in hits], (misses, [], min(policy.budget, policy.k))
         served = plan_served([r.alpha for r in hits], [r.available for r in hits], cost,
                              base_tokens=batch)
-        for i, r in enumerate(hits):  # re-measure acceptance now and then: it may have risen
-            if served[i] == 0 and r.available and self.quiet.get(r.slot.seq_id, 0) >= PROBE_EVERY:
+        for i, r in enumerate(hits):
+            if served[i] == 0 and r.available and probe_due(self.quiet.get(r.slot.seq_id, 0)):
                 served[i] = 1
                 self.stats.probes += 1
-        # a hit served its whole branch is a miss with a head start: drafting on from the
-        # end of its branch gains only where all it serves is accepted (α^(n+1), α, ...)
-        # (a draw goes on a branch only where every served token was drawn too: the
-        # rejection sampler reads a draft's q for all of its tokens or for none)
+        # a hit served its whole branch is a miss with a head start (α^(n+1), α, ...)
         extend = [r for r, n in zip(hits, served)
-                  if policy.predrafts and n == r.available and n < r.k
-                  and not (n and self._draws(r.temperature)
-                           and r.branch.drawn(n, r.follow - 1) is None)]
+                  if policy.predrafts and extends_branch(
+                      n, r.available, r.k, bool(n and self._draws(r.temperature)
+                                                and r.branch.drawn(n, r.follow - 1) is None))]
         if not misses and not extend:
             return served, ([], [], 0)
         # a miss with a lookup draft is served that copy if nothing is drafted for it now
@@ -411,9 +408,8 @@ class DuoDrafter:
         fallback += [(0.0, 0)] * len(extend)
         base_tokens = batch + sum(expected_accepted(r.alpha, n) for r, n in zip(hits, served)) \
             + sum(t for t, _ in fallback)
-        # without a background thread a new prompt can only be evaluated here: an
-        # investment in every later step of the request, not a cost of this one
-        catch_up = [r.catch_up if policy.predrafts else 1 for r in misses] + [1] * len(extend)
+        catch_up = [sync_catch_up(r.catch_up, policy.predrafts) for r in misses] \
+            + [1] * len(extend)
         alphas = [r.alpha for r in misses] + [(r.alpha ** (r.available + 1), r.alpha)
                                               for r in extend]
         caps = [r.k for r in misses] + [r.k - r.available for r in extend]
@@ -423,7 +419,7 @@ class DuoDrafter:
             # no pre-draft probes without a background thread: probe the quietest miss here
             # (one token), so measured costs and acceptance replace the priors
             quiet = max(misses, key=lambda r: self.quiet.get(r.slot.seq_id, 0))
-            if self.quiet.get(quiet.slot.seq_id, 0) >= PROBE_EVERY:
+            if probe_due(self.quiet.get(quiet.slot.seq_id, 0)):
                 self.stats.probes += 1
                 return served, ([quiet], [], 1)
         self.stats.lookup_misses += sum(1 for i, (_, n) in enumerate(fallback)
@@ -505,8 +501,8 @@ class DuoDrafter:
         A prompt never takes the slot of a running request. Returns how many
         prompts were queued (none in serial mode).
         """
-        if not self.policy.predrafts or self.floor_streak >= self.FLOOR_PREFETCH:
-            return 0  # drafting does not pay now: no draft work either
+        if not self.policy.predrafts or not prefills_prompts(self.floor_streak):
+            return 0
         if self.stats.started is None:  # busy time counts from here, as from a step
             self.stats.started = time.monotonic()
         contexts = [np.asarray(c, dtype=np.int32) for c in contexts]
@@ -525,24 +521,10 @@ class DuoDrafter:
             self.last_draft.pop(sid, None)
             self.acceptance.forget(sid)
             self.jobs = [j for j in self.jobs if j.slot_id != sid]
-            evals = self.policy.budget if self.policy.budget is not None else min(2, self.policy.k)
-            self.jobs.append(_Job(sid, ctx, evals))
+            self.jobs.append(_Job(sid, ctx, prompt_depth(self.policy.budget, self.policy.k)))
             queued += 1
         self.stats.prefetched_prompts += queued
         return queued
-
-    def _prefill_in_background(self, new_tokens: int, rows: int = 1) -> bool:
-        """Too many new tokens to evaluate while vLLM waits (a new prompt, say)?
-
-        Then this step goes without a draft and the pre-draft evaluates them
-        while vLLM decodes: a long prompt never stalls the target.
-        """
-        if not self.policy.predrafts:
-            return False
-        step = self.target_step_s or 0.05
-        # what fits in one target step, shared by the requests of this step
-        fits = int(step / self.prefill_s.get(0.006) / max(rows, 1))
-        return new_tokens > max(self.policy.k + 1, fits)
 
     def _observe_acceptance(self, slot, ctx: np.ndarray, reuse: int, reg: str) -> None:
         prev = self.last_draft.pop(slot.seq_id, None)
@@ -658,22 +640,20 @@ class DuoDrafter:
             depths = [policy.budget] * len(rows)
         else:
             def plan(prefixes, roots, hedges=()):
-                # a background row's prefill runs anyway; its tree is planned as if caught up
-                catch_up = [1 if r.background else
-                            max(1, len(p) - common_prefix_len(r.slot.tokens, p))
-                            for r, p in zip(rows, prefixes)]
+                catch_up = [predraft_catch_up(len(p) - common_prefix_len(r.slot.tokens, p),
+                                              r.background) for r, p in zip(rows, prefixes)]
                 of = [rows[i] for i, _, _, _ in hedges]  # a hedge: no catch-up of its own
                 return plan_predraft([r.alpha for r in rows + of],
                                      [root[1] * r.alpha for r, root in zip(rows, roots)]
                                      + [p for *_, p in hedges],
                                      [r.k for r in rows + of], catch_up + [0] * len(hedges),
                                      self.expected_step_s, self.draft_time,
-                                     min_gain=cost.per_token * batch / cost.t0,
+                                     min_gain=cost.threshold(batch),
                                      owners=[None] * len(rows) + [i for i, *_ in hedges])
 
             depths = plan(prefixes, roots)
-            swap = [i for i, (r, m) in enumerate(zip(rows, depths))
-                    if m == 0 and not r.background and r.row in shorter]
+            swap = reroot_candidates(depths, [r.background for r in rows],
+                                     [r.row in shorter for r in rows])
             if swap:
                 alt_roots, alt_prefixes = list(roots), list(prefixes)
                 for i in swap:
@@ -690,20 +670,16 @@ class DuoDrafter:
                 for (i, root, tok, p), m in zip(hedges, both[len(rows):]):
                     if m and depths[i]:  # a hedge rides on its request's pre-draft
                         planned_hedges[i].append((len(rows[i].ctx) + root, tok, p, m))
+            prefill_s = self._prefill_token_s()
             for i, r in enumerate(rows):
-                # a probe: acceptance may have risen since. Not of a row that would first
-                # need a prefill longer than PROBE_CATCH_UP_STEPS target steps (a prompt
-                # never evaluated): draft work, and memory traffic that slows the target,
-                # for one probed token
-                if depths[i] == 0 and self.quiet.get(r.slot.seq_id, 0) >= PROBE_EVERY \
-                        and r.catch_up * self.prefill_s.get(0.006) \
-                        <= self.PROBE_CATCH_UP_STEPS * cost.t0:
+                if depths[i] == 0 and probe_due(self.quiet.get(r.slot.seq_id, 0)) \
+                        and probe_affordable(r.catch_up, prefill_s, cost.t0):
                     depths[i] = 1
                     self.stats.probes += 1
                 # a request that ends before the draft could catch up: left to the target
                 # (and its cores, lent while the draft has nothing to run)
                 if depths[i] and r.background and not catch_up_pays(
-                        r.catch_up, self.prefill_s.get(0.006), r.remaining, cost.t0):
+                        r.catch_up, prefill_s, r.remaining, cost.t0):
                     depths[i] = 0
                     self.stats.short_lived += 1
         for r, p, m, h in zip(rows, prefixes, depths, planned_hedges):
@@ -718,23 +694,19 @@ class DuoDrafter:
         greedy request caught up, at most ``MAX_HEDGES`` (and branch sequences to spare),
         the likeliest, at model tokens its root holds."""
         out = []
-        room = min(self.MAX_HEDGES, self.n_extra) if self.hedging else 0
+        room = min(MAX_HEDGES, self.n_extra) if self.hedging else 0
         for i, (r, root) in enumerate(zip(rows, roots)):
             a = alts.get(r.row)
             if not a or not room or r.background:
                 continue
             a = a[:root[0]]
-            best = sorted(((p, j) for j, p in enumerate(hedge_probs(r.alpha, a)) if p > 0),
-                          reverse=True)[:room]
-            out += [(i, j, a[j][0], p) for p, j in best]
+            out += [(i, j, a[j][0], p) for p, j in pick_hedges(r.alpha, a, room)]
         return out
 
     # -- ahead of time, while vLLM verifies ------------------------------------
     def deadline_after(self, returned_at: float) -> float | None:
         """When the pre-draft should be done: when vLLM is expected back (auto budget)."""
-        if self.policy.budget is not None or not self.expected_step_s:
-            return None
-        return returned_at + self.expected_step_s
+        return predraft_deadline(returned_at, self.expected_step_s, self.policy.budget is not None)
 
     def predraft(self, interrupt=lambda: False, deadline: float | None = None) -> None:
         """Run the queued pre-draft jobs.
@@ -752,8 +724,8 @@ class DuoDrafter:
 
         def stop(width: int) -> bool:
             """Stop before a decode call of ``width`` tokens that would end past the deadline."""
-            return interrupt() or (deadline is not None and time.perf_counter()
-                                   + 0.5 * self.draft_time(width) > deadline)
+            return interrupt() or call_overruns(time.perf_counter(), self.draft_time(width),
+                                                deadline)
         try:
             self._predraft(jobs, interrupt, stop)
         except Exception:
@@ -774,8 +746,8 @@ class DuoDrafter:
             self._sync_slot(slots[job.slot_id], job.prefix)
         while jobs:
             behind = [len(job.prefix) - len(slots[job.slot_id].tokens) for job in jobs]
-            ready = [job for job, n in zip(jobs, behind) if n <= self.CATCH_UP]
-            jobs = [job for job, n in zip(jobs, behind) if n > self.CATCH_UP]
+            ready = [job for job, n in zip(jobs, behind) if not needs_prefill(n)]
+            jobs = [job for job, n in zip(jobs, behind) if needs_prefill(n)]
             if ready:
                 self._grow_trees(ready, [slots[job.slot_id] for job in ready], interrupt, stop)
             if not jobs:
@@ -788,11 +760,8 @@ class DuoDrafter:
     def _chunk_tokens(self, prefilling: list[_Job]) -> int:
         """Prefill chunk size: short enough that decoding requests' drafts do not wait long."""
         others = self.live - {job.slot_id for job in prefilling}
-        if not others:
-            return self.PREFILL_CHUNK
-        step = self.expected_step_s or self.target_step_s or 0.05
-        fits = int(0.4 * step / self.prefill_s.get(0.006))
-        return max(self.MIN_PREFILL_CHUNK, min(self.PREFILL_CHUNK, fits))
+        return prefill_chunk(bool(others), self.expected_step_s or self.target_step_s
+                             or PRIOR_STEP_S, self._prefill_token_s())
 
     def _prefill_chunk(self, jobs: list[_Job], slots: dict, room: int) -> None:
         """One decode call of up to ``room`` prompt tokens, shortest prompt first.
@@ -916,15 +885,6 @@ class DuoDrafter:
 def _hint(hints: list[Hint | None] | None, row: int) -> Hint | None:
     """Row ``row``'s lookup hint, if the proposer sent one."""
     return hints[row] if hints is not None and row < len(hints) else None
-
-
-def lookup_fallback(hint: Hint | None) -> tuple[float, int]:
-    """(expected accepted tokens, length) of what a row is served from its lookup draft
-    alone, as the proposer's :func:`~duo_vllm.sources.lookup.serve` cuts it."""
-    if hint is None or not hint.tokens:
-        return 0.0, 0
-    draft, _ = serve_rule([], False, hint)
-    return expected_accepted(hint.alpha_lookup, len(draft)), len(draft)
 
 
 def _tempered(logits: np.ndarray, temperature: float) -> np.ndarray:

@@ -26,11 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from duo_vllm.draft.slots import common_prefix_len, saves_work, window_match
-
-# a restore is a copy of a few MB (23 KB a token for the default draft): worth it for
-# far fewer tokens than a prefill chunk, but not for the chat template alone
-MIN_RESTORE = 16
+from duo_vllm.draft.slots import common_prefix_len, window_match
 
 
 @dataclass(frozen=True)
@@ -46,14 +42,6 @@ class Entry:
         """Tokens of ``ctx``, as this entry's window holds it, that the entry holds
         (:func:`~duo_vllm.draft.slots.window_match`, as for a slot)."""
         return window_match((self.tokens,), self.head, self.offset, ctx)
-
-
-def restore_pays(match: int, reuse: int, view_len: int, fresh: int) -> bool:
-    """Restore an entry holding ``match`` tokens of a context into a slot that holds
-    ``reuse`` of it already? Where it spares at least MIN_RESTORE tokens of prefill,
-    and leaves less to evaluate than a window taken afresh (``fresh`` tokens; the
-    entry's own view of the context is ``view_len`` long)."""
-    return match - reuse >= MIN_RESTORE and saves_work(view_len, match, fresh)
 
 
 class PromptCache:

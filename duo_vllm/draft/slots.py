@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from duo_vllm.control.drafting import saves_work
+
 
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     """Length of the longest common prefix of two 1-D integer arrays."""
@@ -85,12 +87,6 @@ def window_match(held, head: int, offset: int, ctx: np.ndarray) -> int:
     view = window_view(ctx, head, offset)
     m = max((common_prefix_len(h, view) for h in held if h is not None), default=0)
     return m if m > head or not offset else 0  # a shared head is no match
-
-
-def saves_work(view_len: int, match: int, fresh: int) -> bool:
-    """Does a sequence holding ``match`` tokens of a context's ``view_len``-token view
-    leave less to evaluate than a slot taken afresh (``fresh`` tokens, its window)?"""
-    return view_len - match < fresh
 
 
 def pool_window(window: int | None, n_ctx: int) -> int | None:

@@ -17,6 +17,7 @@ import time
 from duo_vllm.runtime.channel import ChannelServer
 from duo_vllm.config import (DuoConfig, DuoConfigError, allowed_cpus, choose_cores, nest_tuning,
                              read_host)
+from duo_vllm.control.drafting import PRIOR_STEP_S, PRIOR_TOKEN_S, step_patience
 from duo_vllm.runtime.delta import Delta, DeltaReceiver, Drafts
 from duo_vllm.runtime.message import StepRequest
 from duo_vllm.draft.drafter import DraftPolicy, DuoDrafter
@@ -151,7 +152,7 @@ class DraftWorker:
 
         A pre-draft still running stops at its next decode boundary. A prefill
         chunk under way is waited for only if it ends within a fraction of a
-        target step (chunks are sized for that while other requests decode);
+        target step (:func:`~duo_vllm.control.drafting.step_patience`);
         otherwise the step goes without a draft and its contexts are left for
         the background thread: vLLM never waits on a long prefill.
         """
@@ -220,14 +221,9 @@ class DraftWorker:
 
     def _patience(self, target_step_s) -> float:
         """How long a step may wait for the drafter (the decode call under way)."""
-        patience = 1.5 * self.drafter.token_s.get(0.02)
-        left = self.drafter.busy_until - time.perf_counter()
-        if left > patience:  # a prefill chunk: wait only for one that ends soon
-            step = target_step_s or self.drafter.target_step_s or 0.05
-            # its end is a forecast: a busy node overruns it by a few ms, and the
-            # chunk's slack grows with it (a fixed 2 ms blanked whole steps in CI)
-            patience = 1.25 * left + 0.002 if left < 0.5 * step else 0.0
-        return patience
+        return step_patience(self.drafter.token_s.get(PRIOR_TOKEN_S),
+                             self.drafter.busy_until - time.perf_counter(),
+                             target_step_s or self.drafter.target_step_s or PRIOR_STEP_S)
 
     def prefetch(self, contexts) -> int:
         """Prompts vLLM is about to prefill: the background thread evaluates them now.

@@ -1,0 +1,201 @@
+"""The drafter's own rules: when to prefill, probe, hedge, wait, reuse; pure functions.
+
+:mod:`duo_vllm.control.goodput` plans how many tokens each request gets;
+the rules here decide the rest of what the drafter does around those plans
+(:mod:`duo_vllm.draft`): which context is prefilled in the background, how
+large a prefill chunk is, when a quiet request is probed, which hedges a
+pre-draft carries, when the background work stops, when an evicted sequence
+is restored. Each takes measured numbers and returns a decision; the
+drafter executes it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from duo_vllm.control.goodput import PROBE_EVERY, TargetCost, expected_accepted, hedge_probs
+from duo_vllm.sources.lookup import Hint, serve
+
+# priors, until the drafter has measured its own
+PRIOR_STEP_S = 0.05  # T₀: the target's plain step
+PRIOR_PREFILL_S = 0.006  # the draft's time per token of a long prefill
+PRIOR_TOKEN_S = 0.02  # the draft's time per token of a narrow decode call
+PRIOR_PER_TOKEN = 0.1  # c, as a share of T₀
+
+CATCH_UP = 16  # a request further behind than this holds a new prompt
+PREFILL_CHUNK = 64  # tokens per decode call when prefilling in the background
+MIN_PREFILL_CHUNK = 16  # ... at least, when other requests' pre-drafts wait behind it
+CHUNK_STEP_SHARE = 0.4  # of a target step, the most one chunk may take beside decoding requests
+FLOOR_PREFETCH = 4  # after this many steps without drafts, new prompts are not prefilled
+PROBE_CATCH_UP_STEPS = 4  # most target steps of prefill a probe may cost
+MAX_HEDGES = 2  # hedge branches per request and pre-draft, at most
+MIN_RESTORE = 16  # fewest prefill tokens a prompt-cache restore must spare
+
+
+def assumed_cost(step_s: float | None, per_token_s: float | None) -> TargetCost:
+    """T(B, ·) as last measured by the proposer; before that, the priors (c a share of T₀)."""
+    t0 = step_s or PRIOR_STEP_S
+    return TargetCost(t0, per_token_s if per_token_s is not None else PRIOR_PER_TOKEN * t0)
+
+
+# -- catching up with a context -------------------------------------------------------------
+
+def prefill_in_background(new_tokens: int, rows: int, step_s: float, prefill_s: float,
+                          k: int) -> bool:
+    """A miss with more context tokens to evaluate than its share of one target step
+    holds (and more than k + 1) goes without a draft this step and is prefilled in the
+    background: a long prompt never stalls the target."""
+    fits = int(step_s / prefill_s / max(rows, 1))
+    return new_tokens > max(k + 1, fits)
+
+
+def needs_prefill(behind: int) -> bool:
+    """A request more than CATCH_UP tokens behind holds a new prompt: prefilled in shared
+    chunks before its tree grows, so no decode call outlasts a chunk."""
+    return behind > CATCH_UP
+
+
+def prefill_chunk(others_decoding: bool, step_s: float, prefill_s: float) -> int:
+    """Prompt tokens per background decode call: PREFILL_CHUNK, or, while other requests'
+    pre-drafts wait behind it, what fits in CHUNK_STEP_SHARE of a target step (at least
+    MIN_PREFILL_CHUNK)."""
+    if not others_decoding:
+        return PREFILL_CHUNK
+    fits = int(CHUNK_STEP_SHARE * step_s / prefill_s)
+    return max(MIN_PREFILL_CHUNK, min(PREFILL_CHUNK, fits))
+
+
+def sync_catch_up(tokens: int, predrafts: bool) -> int:
+    """The catch-up a draft on the spot is charged for: all of it where a background
+    thread could have run it instead; without one, a single token (a new prompt can
+    only be evaluated on the spot: an investment in every later step, not this one's
+    cost)."""
+    return tokens if predrafts else 1
+
+
+def predraft_catch_up(behind: int, background: bool) -> int:
+    """The catch-up a pre-draft is planned with: a background row's prefill runs anyway,
+    so its tree is planned as if caught up (1)."""
+    return 1 if background else max(1, behind)
+
+
+def prefills_prompts(floor_streak: int) -> bool:
+    """New prompts are prefilled ahead of their first step unless the last FLOOR_PREFETCH
+    steps in a row drafted nothing: drafting does not pay now, so no draft work either."""
+    return floor_streak < FLOOR_PREFETCH
+
+
+def floor_streak_after(streak: int, asked: bool, drafted: bool) -> int:
+    """Steps in a row that drafted nothing for requests asking for drafts: a step with any
+    draft ends the streak, one that asked (``asked``: it served a hit or a miss) and got
+    none adds to it, others leave it."""
+    if drafted:
+        return 0
+    return streak + 1 if asked else streak
+
+
+def prompt_depth(budget: int | None, k: int) -> int:
+    """Depth of the pre-draft queued with a prompt prefilled ahead of its first step: the
+    fixed budget, else 2 tokens (at most k)."""
+    return budget if budget is not None else min(2, k)
+
+
+# -- probes ---------------------------------------------------------------------------------
+
+def probe_due(quiet_steps: int) -> bool:
+    """A request PROBE_EVERY steps without a draft gets one token anyway: its acceptance
+    may have risen since, and only a draft measures it."""
+    return quiet_steps >= PROBE_EVERY
+
+
+def probe_affordable(catch_up: int, prefill_s: float, step_s: float) -> bool:
+    """A pre-draft probe is not worth a prefill longer than PROBE_CATCH_UP_STEPS target
+    steps (a prompt never evaluated): draft work, and memory traffic that slows the
+    target, for one probed token."""
+    return catch_up * prefill_s <= PROBE_CATCH_UP_STEPS * step_s
+
+
+# -- serving and pre-drafting ---------------------------------------------------------------
+
+def extends_branch(served: int, available: int, k: int, mixes_draws: bool) -> bool:
+    """Is a hit a candidate to draft on from the end of its branch? Where it is served the
+    whole branch and that is short of k (drafting on gains only where all it serves is
+    accepted, which the sync plan weighs), and not where a drawn token would follow
+    served ones without a q (``mixes_draws``): the rejection sampler reads a draft's q
+    for all of its tokens or for none."""
+    return served == available and served < k and not mixes_draws
+
+
+def lookup_fallback(hint: Hint | None) -> tuple[float, int]:
+    """(expected accepted tokens, length) of what a row is served from its lookup draft
+    alone, as the proposer's :func:`~duo_vllm.sources.lookup.serve` cuts it."""
+    if hint is None or not hint.tokens:
+        return 0.0, 0
+    draft, _ = serve([], False, hint)
+    return expected_accepted(hint.alpha_lookup, len(draft)), len(draft)
+
+
+def hedges_on(predrafts: bool, auto_budget: bool, multi_sequence: bool, n_extra: int) -> bool:
+    """Hedges need the controller's pre-draft and branch sequences to spare; only then is
+    each greedy token's runner-up kept (a vocabulary pass per token)."""
+    return predrafts and auto_budget and multi_sequence and n_extra > 0
+
+
+def pick_hedges(alpha: float, alts: Sequence, room: int) -> list[tuple[float, int]]:
+    """A greedy request's hedges, (p, position) each: the ``room`` likeliest runner-ups of
+    its served draft (:func:`~duo_vllm.control.goodput.hedge_probs`) that may be
+    reached at all, likeliest first."""
+    return sorted(((p, j) for j, p in enumerate(hedge_probs(alpha, alts)) if p > 0),
+                  reverse=True)[:room]
+
+
+def reroot_candidates(depths: Sequence[int], background: Sequence[bool],
+                      has_shorter: Sequence[bool]) -> list[int]:
+    """Rows whose pre-draft is planned again at their shorter root (where a copied tail
+    parts from the model): those planned nothing at the likelier root, caught up, that
+    have one. The plan is taken where it gives any of them a pre-draft."""
+    return [i for i, (m, bg, s) in enumerate(zip(depths, background, has_shorter))
+            if m == 0 and not bg and s]
+
+
+def predraft_deadline(returned_at: float, expected_step_s: float | None,
+                      fixed_budget: bool) -> float | None:
+    """When the pre-draft should be done: when vLLM is expected back with the next step
+    (under the controller; none with a fixed budget, or before a step was planned)."""
+    if fixed_budget or not expected_step_s:
+        return None
+    return returned_at + expected_step_s
+
+
+def call_overruns(now: float, call_s: float, deadline: float | None) -> bool:
+    """Is a decode call forecast at ``call_s`` not started? Where half of it would already
+    end past the deadline, the next step waiting on it."""
+    return deadline is not None and now + 0.5 * call_s > deadline
+
+
+def step_patience(token_s: float, busy_left_s: float, step_s: float) -> float:
+    """How long a step waits for the decode call under way: 1.5 draft tokens' time. A
+    longer call (a prefill chunk) is waited for only if it ends within half a target
+    step, then for its forecast end plus a quarter (a loaded node overruns forecasts);
+    else the step goes without a draft."""
+    patience = 1.5 * token_s
+    if busy_left_s > patience:
+        patience = 1.25 * busy_left_s + 0.002 if busy_left_s < 0.5 * step_s else 0.0
+    return patience
+
+
+# -- reuse of held sequences ----------------------------------------------------------------
+
+def saves_work(view_len: int, match: int, fresh: int) -> bool:
+    """Does a sequence holding ``match`` tokens of a context's ``view_len``-token view
+    leave less to evaluate than a slot taken afresh (``fresh`` tokens, its window)?"""
+    return view_len - match < fresh
+
+
+def restore_pays(match: int, reuse: int, view_len: int, fresh: int) -> bool:
+    """Restore a prompt-cache entry holding ``match`` tokens of a context into a slot that
+    holds ``reuse`` of it already? Where it spares at least MIN_RESTORE tokens of
+    prefill (a restore copies MBs: worth it for far fewer tokens than a chunk, not for
+    the chat template alone), and leaves less to evaluate than a window taken afresh
+    (``fresh`` tokens; the entry's view of the context is ``view_len`` long)."""
+    return match - reuse >= MIN_RESTORE and saves_work(view_len, match, fresh)
