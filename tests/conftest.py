@@ -5,12 +5,35 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.swallowed import SwallowedExceptions
+
 REPO = Path(__file__).resolve().parents[1]
 E2E_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "e2e: runs real vLLM with the real default models")
+    config.addinivalue_line(
+        "markers", "expect_swallowed(*types, reason): the test injects failures that the "
+        "product catches and logs, of these exception types (none given: any)")
+
+
+@pytest.fixture(autouse=True)
+def swallowed(request):
+    """Fails a test whose product code caught and logged an exception the test did not
+    expect (tests/support/swallowed.py): a fake's assert inside the drafter's or the
+    proposer's ``except Exception``, say. Tests that inject failures say so with
+    ``@pytest.mark.expect_swallowed(RuntimeError, reason="...")`` (``reason`` is needed
+    with a single type: pytest would take a lone class for the thing to mark); a test
+    may read ``swallowed.exceptions``."""
+    catcher = SwallowedExceptions()
+    with catcher.attached():
+        yield catcher
+    marker = request.node.get_closest_marker("expect_swallowed")
+    allowed = () if marker is None else (tuple(marker.args) or (BaseException,))
+    found = catcher.unexpected(allowed)
+    if found:
+        pytest.fail(catcher.report(found), pytrace=False)
 
 
 @pytest.fixture(scope="session")

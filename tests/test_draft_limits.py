@@ -128,6 +128,7 @@ def test_the_actor_follows_vllm():
         w.close()
 
 
+@pytest.mark.expect_swallowed(AttributeError, reason='the fake C API cannot decode')
 def test_llama_cpp_is_sized_after_the_model_says_its_training_context(monkeypatch, tmp_path):
     """The real backend path: the KV cache is allocated for the clamped context, not
     for vLLM's max_model_len nor the user's n_ctx above the training context."""

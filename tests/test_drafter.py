@@ -63,6 +63,7 @@ def test_context_too_long_or_zero_budget_gets_no_draft():
     assert d.propose(StepRequest([ctx(1, 2, 3)], [5])) == [be.chain(3, 1)]  # clamped to fit n_ctx
 
 
+@pytest.mark.expect_swallowed(RuntimeError, reason="the backend's injected failure")
 def test_backend_error_gives_no_draft_and_resets_slot():
     class Broken(FakeBackend):
         def decode(self, items):
@@ -941,6 +942,7 @@ def test_no_hedge_for_a_confident_draft_or_a_sampled_request():
     assert all(not job.hedges for job in d.jobs) and d.stats.hedges == 0
 
 
+@pytest.mark.expect_swallowed(RuntimeError, reason="the backend's injected failure")
 def test_a_failed_predraft_leaves_no_branch_sequence_holding_cells():
     """A decode that fails while the pre-draft evaluates its first level (the hedge's
     sequence already holds its root's copy of the context): every branch sequence of
