@@ -4,12 +4,11 @@
 pre-drafted during the previous step (a *hit*: no draft compute on the
 critical path) or drafts a chain from the real context while vLLM waits
 (a *miss*); how many tokens each request gets, zero included, is the goodput
-controller's choice (:mod:`duo_vllm.control.goodput`). It then queues *pre-draft* jobs:
-assume the draft just returned will be fully accepted, and prepare, for the
-token the target samples after it, one branch per likely candidate
-(DuoDecoding's dynamic multi-sequence drafting). ``predraft`` runs those jobs
-while vLLM verifies, and stops early when ``interrupt()`` says the next step
-has arrived.
+controller's choice (:mod:`duo_vllm.control.goodput`), and the rest of what
+the drafter does is decided by :mod:`duo_vllm.control.drafting`. It then
+queues the next step's *pre-draft* (:mod:`duo_vllm.draft.predraft`), which
+runs while vLLM verifies. The state it all works on, and the backend's
+calls, are :mod:`duo_vllm.draft.sequences`'.
 
 Each branch grows along the draft's top-1 token, or, for a sampled request
 (``sampled_drafts``), along tokens drawn from the draft's own distribution q,
@@ -20,67 +19,26 @@ drafts change speed, never output.
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from duo_vllm.draft.branching import (
-    Branch, Tree, branch_candidates, miss_reason, runner_up, select_branch, split_budget,
-    top_candidates,
-)
-from duo_vllm.sources.lookup import Hint, serve as serve_rule
 from duo_vllm.control.drafting import (
-    MAX_HEDGES, PRIOR_PREFILL_S, PRIOR_STEP_S, assumed_cost, call_overruns, extends_branch,
-    floor_streak_after, hedges_on, lookup_fallback, needs_prefill, pick_hedges,
-    predraft_catch_up, predraft_deadline, prefill_chunk, prefill_in_background,
-    prefills_prompts, probe_affordable, probe_due, prompt_depth, reroot_candidates,
-    restore_pays, sync_catch_up,
+    PRIOR_STEP_S, extends_branch, floor_streak_after, lookup_fallback, needs_prefill,
+    prefill_in_background, probe_due, sync_catch_up,
 )
 from duo_vllm.control.goodput import (
-    Acceptance, DraftTimeModel, TargetCost, catch_up_pays, expected_accepted, plan_predraft,
-    plan_served, plan_sync, predraft_roots, regime,
+    TargetCost, expected_accepted, plan_served, plan_sync, predraft_roots, regime,
 )
-from duo_vllm.draft.sampling import draft_q, sample_q
-from duo_vllm.draft.prompt_cache import PromptCache
-from duo_vllm.draft.slots import Assignment, Slot, SlotPool, common_prefix_len, pool_window, window_view
+from duo_vllm.draft.branching import Branch, Tree, miss_reason, runner_up, select_branch
+from duo_vllm.draft.predraft import Predrafter
+from duo_vllm.draft.sequences import DraftPolicy
+from duo_vllm.draft.slots import Slot, common_prefix_len
 from duo_vllm.runtime.message import StepRequest
-from duo_vllm.stats import DraftStats, Ema
+from duo_vllm.sources.lookup import Hint, serve as serve_rule
 
-logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DraftPolicy:
-    """What the drafter does each step (the ablation switches live here)."""
-
-    k: int  # most draft tokens returned per request per step
-    parallel: bool = True  # pre-draft while the target verifies
-    multi_sequence: bool = True  # several branches where the draft is unsure
-    budget: int | None = None  # None: the goodput controller; N: always N tokens per request
-    max_branches: int = 4
-    # sampled requests' drafts drawn from the draft's q, which the verifier then reads
-    # (duo_vllm/draft/sampling.py); False: the argmax, as for greedy ones
-    sampled_drafts: bool = False
-    vocab_limit: int | None = None  # drawn tokens stay below it (the target's vocabulary)
-
-    @property
-    def predrafts(self) -> bool:
-        """Does anything run in the background (pre-drafts, prefills)?"""
-        return self.parallel and self.budget != 0
-
-
-@dataclass
-class _Job:
-    slot_id: int
-    prefix: np.ndarray  # context + the draft just returned
-    evals: int  # draft tokens the pre-draft grows for this request (its planned depth)
-    temperature: float = 0.0
-    # (root, token, p, evals) each: a branch on the draft's runner-up ``token`` after
-    # ``prefix[:root]``, reached with probability p (goodput.hedge_probs), ``evals`` deep
-    hedges: list = field(default_factory=list)
+__all__ = ["DraftPolicy", "DuoDrafter"]
 
 
 @dataclass
@@ -109,121 +67,13 @@ class _Row:
         return min(self.k, len(self.branch.tokens) - self.follow) if self.branch else 0
 
 
-class DuoDrafter:
-    """Drafts for batches of contexts on a multi-sequence backend (see backends/).
+class DuoDrafter(Predrafter):
+    """Drafts for batches of contexts on a multi-sequence backend
+    (:mod:`duo_vllm.draft.backend`).
 
-    It executes the goodput controller's plan (:mod:`duo_vllm.control.goodput`) and
-    owns the draft state; the decisions are the controller's.
+    It executes the plans of :mod:`duo_vllm.control` and owns the draft state
+    (slots, trees, the llama.cpp calls); the decisions are the controller's.
     """
-
-    def __init__(self, backend, max_sequences: int, n_ctx: int, policy: DraftPolicy,
-                 window: int | None = None, seed: int | None = None, cache_bytes: int = 0):
-        self.backend, self.n_ctx, self.policy = backend, n_ctx, policy
-        # the KV of requests whose slot went to another, for when they come back
-        self.cache = PromptCache(cache_bytes) if cache_bytes > 0 else None
-        self.rng = np.random.default_rng(seed)  # the draws of sampled drafts
-        self.last_q: list = []  # each row's q of its last draft (None: not drawn)
-        self.pool = SlotPool(max_sequences, window=pool_window(window, n_ctx))
-        self.n_extra = max(policy.max_branches - 1, 0)
-        self.hedging = hedges_on(policy.predrafts, policy.budget is None, policy.multi_sequence,
-                                 self.n_extra)
-        self.trees: dict[int, Tree] = {}
-        self.last_draft: dict[int, tuple[int, list[int], str]] = {}
-        self.jobs: list[_Job] = []
-        self.planned: set[int] = set()  # slots whose pre-draft was planned at the last step
-        self.stats = DraftStats()
-        self.token_s = Ema()  # draft time per evaluated token (decode widths <= 16)
-        self.prefill_s = Ema()  # draft time per token of long prefills
-        self.draft_time = DraftTimeModel()  # D(w), by decode width
-        self.acceptance = Acceptance()  # α per request (slot) and regime
-        self.target_step_s = None  # T₀(B) of the last step (from the proposer)
-        self.per_token_s = None  # c, the target's cost per extra verified token
-        self.expected_step_s = None  # the target step under way, as planned
-        self.busy_until = 0.0  # when the decode call under way should end (perf_counter)
-        self.live: set[int] = set()  # slots of the requests of the last step
-        self.quiet: dict[int, int] = {}  # slot -> steps since its last draft (probe clock)
-        self.floor_streak = 0  # consecutive steps the controller drafted nothing
-
-    # -- backend calls, timed --------------------------------------------------
-    def _decode(self, items):
-        t0 = time.perf_counter()
-        n = sum(len(toks) for _, toks, _ in items)
-        self.busy_until = t0 + self.draft_time(n)  # read by the actor, without the lock
-        try:
-            out = self.backend.decode(items)
-        finally:
-            self.busy_until = 0.0
-        dt = time.perf_counter() - t0
-        (self.token_s if n <= 16 else self.prefill_s).add(dt / max(n, 1))
-        self.draft_time.observe(n, dt)
-        return out, n
-
-    def calibrate(self, widths=(1, 2, 3, 4), warm_tokens: int = 8) -> dict[int, float]:
-        """Measure D(w) for the narrow widths a pre-draft uses, before the first request.
-
-        Without it the first calls measured may be one prompt's prefill chunks
-        alone (64 tokens: 159 ms), D(1) is read off them (80 ms, against 10
-        measured), no pre-draft fits a target step, and no narrow call ever
-        runs to correct it: on long-prompt work the draft model then drafted
-        nothing at all. Runs on slot 0's sequence, emptied after; the first
-        call (``warm_tokens``, untimed) warms the draft up. Returns D by width.
-        """
-        sid = self.pool.slots[0].seq_id
-        toks = np.arange(1, warm_tokens + 1, dtype=np.int32)  # any tokens: timing only
-        try:
-            self.backend.decode([(sid, toks, 0)])
-            pos = warm_tokens
-            for w in widths:
-                self._decode([(sid, toks[:w], pos)])
-                pos += w
-        finally:
-            self.backend.remove(sid, 0, -1)
-        return self.draft_time.table()
-
-    def _branch_seq(self, slot_id: int, j: int) -> int:
-        return self.pool.size + slot_id * self.n_extra + (j - 1)
-
-    def _clear_tree(self, slot_id: int) -> None:
-        tree = self.trees.pop(slot_id, None)
-        if tree is not None:
-            for br in tree.branches:
-                if br.seq_id != slot_id:
-                    self.backend.remove(br.seq_id, 0, -1)
-
-    def _draws(self, temperature: float) -> bool:
-        """Are this request's draft tokens drawn from q (else the argmax)?"""
-        return self.policy.sampled_drafts and temperature >= 1e-5
-
-    def _next_token(self, logits: np.ndarray, temperature: float):
-        """The next draft token and its q: drawn from q for a sampled request (with
-        ``sampled_drafts``), else the argmax (q None)."""
-        if self._draws(temperature):
-            q = draft_q(logits, temperature, limit=self.policy.vocab_limit)
-            return sample_q(*q, self.rng), q
-        return int(np.argmax(logits)), None
-
-    def _extend(self, branch: Branch, logits: np.ndarray, temperature: float) -> None:
-        """Grow ``branch`` by the draft token after its last (and keep its q, or, for a
-        greedy request, its runner_up(), where a hedge may root next step)."""
-        tok, q = self._next_token(logits, temperature)
-        branch.tokens.append(tok)
-        branch.q.append(q)
-        branch.alts.append(runner_up(logits, tok) if self.hedging and temperature < 1e-5
-                           else None)
-
-    def _sync_slot(self, slot, ctx: np.ndarray) -> int:
-        """Make the slot's main sequence hold ``ctx[:keep]``; return keep (< len(ctx))."""
-        keep = min(common_prefix_len(slot.tokens, ctx), len(ctx) - 1)
-        self.backend.remove(slot.seq_id, keep, -1)
-        slot.tokens = slot.tokens[:keep]
-        self.stats.reused_tokens += keep
-        return keep
-
-    def _cost(self) -> TargetCost:
-        return assumed_cost(self.target_step_s, self.per_token_s)
-
-    def _prefill_token_s(self) -> float:
-        return self.prefill_s.get(PRIOR_PREFILL_S)
 
     # -- one vLLM step ---------------------------------------------------------
     def propose(self, step: StepRequest, serve: bool = True) -> list[list[int]]:
@@ -428,117 +278,6 @@ class DuoDrafter:
         return served, ([misses[i] for i in plan.rows if i < m],
                         [extend[i - m] for i in plan.rows if i >= m], plan.depth)
 
-    def _assign(self, contexts, live=frozenset()) -> list[Assignment | None]:
-        """``pool.assign``, with the prompt cache: a slot taken afresh leaves what it held
-        to the cache first, then takes the cached sequence its new context shares the
-        most with, where that spares a prefill (:func:`restore_pays`)."""
-        out = self.pool.assign(contexts, live)
-        if self.cache is None:
-            return out
-        for i, (ctx, a) in enumerate(zip(contexts, out)):
-            if a is None or a.before is None:
-                continue
-            if len(a.slot.tokens) > self.pool.template_len:
-                self._keep(a.slot, *a.before)
-            out[i] = self._restore(a, ctx)
-        return out
-
-    def _keep(self, slot: Slot, head: int, offset: int) -> None:
-        """Save what ``slot`` holds (in window ``head``, ``offset``) to the cache."""
-        try:
-            state = self.backend.save(slot.seq_id)
-        except Exception:  # a speed-up only: the request is prefilled if it comes back
-            logger.exception("could not save a draft sequence to the prompt cache")
-            return
-        if state:
-            self.cache.put(slot.tokens, head, offset, state)
-
-    def _restore(self, a: Assignment, ctx: np.ndarray) -> Assignment:
-        """``a`` with its slot holding the cached sequence that shares the most with
-        ``ctx``, where one spares a prefill; else ``a`` as it is."""
-        entry, match = self.cache.best(ctx)
-        if entry is None or not restore_pays(
-                match, a.reuse, len(window_view(ctx, entry.head, entry.offset)),
-                self.pool.fresh_tokens(len(ctx))):
-            return a
-        slot, st = a.slot, self.stats
-        self._clear_tree(slot.seq_id)
-        self.last_draft.pop(slot.seq_id, None)  # the request it held: nothing to score
-        self.backend.remove(slot.seq_id, 0, -1)
-        try:
-            ok = self.backend.restore(slot.seq_id, entry.state)
-        except Exception:
-            logger.exception("could not restore a draft sequence from the prompt cache")
-            ok = False
-        if not ok:  # no room for its cells, say: the slot starts empty
-            self.backend.remove(slot.seq_id, 0, -1)
-            slot.tokens = slot.tokens[:0]
-            st.cache_failures += 1
-            return dataclasses.replace(a, reuse=0)
-        slot.tokens, slot.head, slot.offset = entry.tokens, entry.head, entry.offset
-        view = slot.view(ctx)
-        reuse = common_prefix_len(slot.tokens, view)
-        st.cache_hits += 1
-        st.cache_tokens += min(reuse, len(view) - 1) - a.reuse  # (the last is evaluated anew)
-        return dataclasses.replace(a, reuse=reuse, view=view)
-
-    def _slide(self, slot: Slot, ctx: np.ndarray) -> Assignment:
-        """Move a slot's window to the last ``window`` tokens of ``ctx`` (evaluated anew)."""
-        self._clear_tree(slot.seq_id)
-        self.backend.remove(slot.seq_id, 0, -1)
-        slot.tokens = np.zeros(0, dtype=np.int32)
-        slot.queued = slot.seen = None
-        self.last_draft.pop(slot.seq_id, None)
-        self.pool.place(slot, len(ctx))
-        return Assignment(slot, 0, slot.view(ctx))
-
-    def prefetch(self, contexts: list[np.ndarray]) -> int:
-        """Prompts the target is about to prefill: queue their evaluation.
-
-        Called before vLLM's prefill step, so the draft evaluates the prompt
-        while the target does (DuoDecoding's parallel prefill) and has branches
-        for the first output token ready when that step's propose() comes.
-        A prompt never takes the slot of a running request. Returns how many
-        prompts were queued (none in serial mode).
-        """
-        if not self.policy.predrafts or not prefills_prompts(self.floor_streak):
-            return 0
-        if self.stats.started is None:  # busy time counts from here, as from a step
-            self.stats.started = time.monotonic()
-        contexts = [np.asarray(c, dtype=np.int32) for c in contexts]
-        self.pool.note_prompts(contexts)
-        queued = 0
-        for ctx, a in zip(contexts, self._assign(contexts, live=self.live)):
-            if a is None:
-                self.stats.no_slot += 1
-                continue
-            ctx = a.view
-            if len(ctx) == 0 or len(ctx) + 2 >= self.n_ctx:
-                continue
-            sid = a.slot.seq_id
-            self._clear_tree(sid)
-            a.slot.queued, a.slot.queued_at = ctx, self.pool.clock
-            self.last_draft.pop(sid, None)
-            self.acceptance.forget(sid)
-            self.jobs = [j for j in self.jobs if j.slot_id != sid]
-            self.jobs.append(_Job(sid, ctx, prompt_depth(self.policy.budget, self.policy.k)))
-            queued += 1
-        self.stats.prefetched_prompts += queued
-        return queued
-
-    def _observe_acceptance(self, slot, ctx: np.ndarray, reuse: int, reg: str) -> None:
-        prev = self.last_draft.pop(slot.seq_id, None)
-        if prev is None:
-            return
-        n0, draft, prev_reg = prev
-        if reuse < min(n0, len(slot.tokens)) or len(ctx) <= n0:
-            self.acceptance.forget(slot.seq_id)  # a new request on this slot
-            return
-        if draft:
-            accepted = common_prefix_len(ctx[n0:n0 + len(draft)],
-                                         np.asarray(draft, dtype=np.int32))
-            self.acceptance.observe(slot.seq_id, prev_reg, accepted, len(draft))
-
     def _take_branch(self, slot, tree: Tree, branch: Branch, n: int, follow: int = 1):
         """Adopt a pre-drafted branch as the request's sequence; return ``n`` draft
         tokens after the ``follow`` the context holds, their q (None unless each
@@ -594,300 +333,7 @@ class DuoDrafter:
             for row, _, _, _ in misses:
                 out[row], qs[row], alts[row] = [], None, []
 
-    def _recover(self, slots) -> None:
-        logger.exception("drafting failed; the affected requests get no draft this step")
-        self.stats.errors += 1
-        for slot in slots:
-            self.trees.pop(slot.seq_id, None)
-            self.backend.remove(slot.seq_id, 0, -1)
-            # every branch sequence of the slot (what _clear_tree removes, and a hedge's,
-            # which holds its root's copy of the context before it joins the tree)
-            for j in range(1, self.n_extra + 1):
-                self.backend.remove(self._branch_seq(slot.seq_id, j), 0, -1)
-            slot.tokens = np.zeros(0, dtype=np.int32)
-
-    def _plan_jobs(self, rows: list[_Row], out, p_served: dict, cost: TargetCost,
-                   batch: int, shorter: dict | None = None, alts: dict | None = None) -> None:
-        """The next step's pre-draft: which requests, how deep (the controller's plan).
-
-        ``out`` is what each row is served this step; ``p_served`` per row the
-        tokens of it the pre-draft's root holds and the chance the target's
-        tokens reach that root (the branches continue it); ``shorter`` per row
-        whose root is after a copied tail, the root where the copy parts from
-        the model: taken where the first leaves no branch room in the step (a
-        catch-up of the whole copy and one level outlast it), so the next step
-        finds a tree for the likelier of the other outcomes rather than none.
-        ``alts`` per greedy row the runner_up() of each model token it is served:
-        where the target may turn one down, a hedge (a branch on the runner-up,
-        rooted before that token) competes for the step's draft time with the
-        roots' branches, by the same worth per second.
-        """
-        self.jobs = []
-        self.planned = set()  # slots with a pre-draft queued for the next step
-        policy = self.policy
-        if not policy.predrafts:
-            return
-        shorter = shorter or {}
-        rows = [r for r in rows if len(r.ctx) + len(out[r.row]) + 2 < self.n_ctx]
-        planned_hedges = [[] for _ in rows]
-        roots = [p_served[r.row] for r in rows]
-
-        def prefix(r, root):  # the root: the context and the served draft, or a part of it
-            return np.concatenate([r.ctx, np.asarray(out[r.row][:root[0]], dtype=np.int32)])
-
-        prefixes = [prefix(r, root) for r, root in zip(rows, roots)]
-        if policy.budget is not None:
-            depths = [policy.budget] * len(rows)
-        else:
-            def plan(prefixes, roots, hedges=()):
-                catch_up = [predraft_catch_up(len(p) - common_prefix_len(r.slot.tokens, p),
-                                              r.background) for r, p in zip(rows, prefixes)]
-                of = [rows[i] for i, _, _, _ in hedges]  # a hedge: no catch-up of its own
-                return plan_predraft([r.alpha for r in rows + of],
-                                     [root[1] * r.alpha for r, root in zip(rows, roots)]
-                                     + [p for *_, p in hedges],
-                                     [r.k for r in rows + of], catch_up + [0] * len(hedges),
-                                     self.expected_step_s, self.draft_time,
-                                     min_gain=cost.threshold(batch),
-                                     owners=[None] * len(rows) + [i for i, *_ in hedges])
-
-            depths = plan(prefixes, roots)
-            swap = reroot_candidates(depths, [r.background for r in rows],
-                                     [r.row in shorter for r in rows])
-            if swap:
-                alt_roots, alt_prefixes = list(roots), list(prefixes)
-                for i in swap:
-                    alt_roots[i] = shorter[rows[i].row]
-                    alt_prefixes[i] = prefix(rows[i], alt_roots[i])
-                alt = plan(alt_prefixes, alt_roots)
-                if any(alt[i] for i in swap):
-                    depths, prefixes, roots = alt, alt_prefixes, alt_roots
-                    self.stats.shorter_roots += sum(1 for i in swap if alt[i])
-            hedges = self._hedges(rows, roots, alts or {})
-            if hedges:
-                both = plan(prefixes, roots, hedges)
-                depths = both[:len(rows)]
-                for (i, root, tok, p), m in zip(hedges, both[len(rows):]):
-                    if m and depths[i]:  # a hedge rides on its request's pre-draft
-                        planned_hedges[i].append((len(rows[i].ctx) + root, tok, p, m))
-            prefill_s = self._prefill_token_s()
-            for i, r in enumerate(rows):
-                if depths[i] == 0 and probe_due(self.quiet.get(r.slot.seq_id, 0)) \
-                        and probe_affordable(r.catch_up, prefill_s, cost.t0):
-                    depths[i] = 1
-                    self.stats.probes += 1
-                # a request that ends before the draft could catch up: left to the target
-                # (and its cores, lent while the draft has nothing to run)
-                if depths[i] and r.background and not catch_up_pays(
-                        r.catch_up, prefill_s, r.remaining, cost.t0):
-                    depths[i] = 0
-                    self.stats.short_lived += 1
-        for r, p, m, h in zip(rows, prefixes, depths, planned_hedges):
-            if m > 0:  # a request planned no draft is not even caught up
-                self.jobs.append(_Job(r.slot.seq_id, p, m, r.temperature, h))
-                self.stats.hedged_roots += len(p) < len(r.ctx) + len(out[r.row])
-                self.stats.hedges += len(h)
-        self.planned = {job.slot_id for job in self.jobs}
-
-    def _hedges(self, rows: list[_Row], roots, alts: dict) -> list[tuple[int, int, int, float]]:
-        """Hedge candidates, (row index, served tokens before it, runner-up, p) each: per
-        greedy request caught up, at most ``MAX_HEDGES`` (and branch sequences to spare),
-        the likeliest, at model tokens its root holds."""
-        out = []
-        room = min(MAX_HEDGES, self.n_extra) if self.hedging else 0
-        for i, (r, root) in enumerate(zip(rows, roots)):
-            a = alts.get(r.row)
-            if not a or not room or r.background:
-                continue
-            a = a[:root[0]]
-            out += [(i, j, a[j][0], p) for p, j in pick_hedges(r.alpha, a, room)]
-        return out
-
-    # -- ahead of time, while vLLM verifies ------------------------------------
-    def deadline_after(self, returned_at: float) -> float | None:
-        """When the pre-draft should be done: when vLLM is expected back (auto budget)."""
-        return predraft_deadline(returned_at, self.expected_step_s, self.policy.budget is not None)
-
-    def predraft(self, interrupt=lambda: False, deadline: float | None = None) -> None:
-        """Run the queued pre-draft jobs.
-
-        Stops between decode calls on ``interrupt()`` (the next step is here).
-        Branches also stop growing before a decode call that would end past
-        ``deadline`` (``time.perf_counter()`` clock; the call's time is D(w),
-        measured), so the next step does not wait for it; prompt prefills go
-        on past it.
-        """
-        jobs, self.jobs = self.jobs, []
-        if not jobs:
-            return
-        t0 = time.perf_counter()
-
-        def stop(width: int) -> bool:
-            """Stop before a decode call of ``width`` tokens that would end past the deadline."""
-            return interrupt() or call_overruns(time.perf_counter(), self.draft_time(width),
-                                                deadline)
-        try:
-            self._predraft(jobs, interrupt, stop)
-        except Exception:
-            self._recover([self.pool.slots[j.slot_id] for j in jobs])
-        self.stats.busy_s += time.perf_counter() - t0
-
-    def _predraft(self, jobs: list[_Job], interrupt, stop) -> None:
-        """Grow branch trees for the jobs that are caught up; prefill the others.
-
-        A job with more than ``CATCH_UP`` tokens to evaluate holds a new prompt.
-        Those are prefilled in shared chunks, the shortest first, and each
-        joins the tree growing once it is caught up. So a request already
-        decoding never waits behind another's prompt, and no decode call
-        outlasts one chunk.
-        """
-        slots = {job.slot_id: self.pool.slots[job.slot_id] for job in jobs}
-        for job in jobs:
-            self._sync_slot(slots[job.slot_id], job.prefix)
-        while jobs:
-            behind = [len(job.prefix) - len(slots[job.slot_id].tokens) for job in jobs]
-            ready = [job for job, n in zip(jobs, behind) if not needs_prefill(n)]
-            jobs = [job for job, n in zip(jobs, behind) if needs_prefill(n)]
-            if ready:
-                self._grow_trees(ready, [slots[job.slot_id] for job in ready], interrupt, stop)
-            if not jobs:
-                return
-            if interrupt():
-                self.stats.interrupted += 1  # the prefill goes on next time, from where it is
-                return
-            self._prefill_chunk(jobs, slots, self._chunk_tokens(jobs))
-
-    def _chunk_tokens(self, prefilling: list[_Job]) -> int:
-        """Prefill chunk size: short enough that decoding requests' drafts do not wait long."""
-        others = self.live - {job.slot_id for job in prefilling}
-        return prefill_chunk(bool(others), self.expected_step_s or self.target_step_s
-                             or PRIOR_STEP_S, self._prefill_token_s())
-
-    def _prefill_chunk(self, jobs: list[_Job], slots: dict, room: int) -> None:
-        """One decode call of up to ``room`` prompt tokens, shortest prompt first.
-
-        Each prompt's last token is left for the tree growing (its logits are
-        the first branch point).
-        """
-        items, owners = [], []
-        for job in sorted(jobs, key=lambda j: len(j.prefix) - len(slots[j.slot_id].tokens)):
-            slot = slots[job.slot_id]
-            start = len(slot.tokens)
-            n = min(len(job.prefix) - start - 1, room)
-            items.append((slot.seq_id, job.prefix[start:start + n], start))
-            owners.append((job, slot, start + n))
-            room -= n
-            if room <= 0:
-                break
-        _, n = self._decode(items)
-        self.stats.predraft_tokens += n
-        for job, slot, end in owners:
-            slot.tokens = job.prefix[:end]
-
-    def _grow_trees(self, jobs: list[_Job], slots: list, interrupt, stop) -> None:
-        st, policy = self.stats, self.policy
-        # 1. catch up: evaluate the tail of the returned draft (usually its last
-        #    token; at most CATCH_UP tokens a job, so one decode call)
-        items = [(slot.seq_id, job.prefix[len(slot.tokens):], len(slot.tokens))
-                 for job, slot in zip(jobs, slots)]
-        logits, n = self._decode(items)
-        st.predraft_tokens += n
-        tops = [top_candidates(_tempered(lg, job.temperature)) for job, lg in zip(jobs, logits)]
-        for job, slot in zip(jobs, slots):
-            slot.tokens = job.prefix
-        trees = [Tree(job.prefix, [Branch([int(ids[0])], float(p[0]), slot.seq_id)])
-                 for job, slot, (ids, p) in zip(jobs, slots, tops)]
-        for slot, tree in zip(slots, trees):
-            self.trees[slot.seq_id] = tree
-        grow = [i for i, job in enumerate(jobs) if job.evals > 0]  # planned depth 0: caught up
-        jobs, slots, trees, tops = ([x[i] for i in grow] for x in (jobs, slots, trees, tops))
-        if not jobs:
-            return
-        if stop(len(jobs) + sum(len(job.hedges) for job in jobs)):
-            st.interrupted += 1
-            return
-        # 2. evaluate the top-1 candidate: its successor, and p2 for the θ rule; and each
-        #    hedge's first token (the branch sequences after the θ rule's are theirs)
-        items = [(slot.seq_id, np.array(tree.branches[0].tokens, dtype=np.int32),
-                  len(tree.prefix)) for slot, tree in zip(slots, trees)]
-        hedges = []
-        for job, slot in zip(jobs, slots):
-            mine = []
-            for h, (root, tok, p, evals) in enumerate(job.hedges):
-                seq = self._branch_seq(slot.seq_id, self.n_extra - h)
-                self.backend.remove(seq, 0, -1)
-                self.backend.copy(slot.seq_id, seq, 0, root)
-                mine.append((Branch([tok], p, seq, root=root), evals))
-                items.append((seq, np.array([tok], dtype=np.int32), root))
-            hedges.append(mine)
-        logits, n = self._decode(items)
-        st.predraft_tokens += n
-        hedge_logits = iter(logits[len(jobs):])
-        evals_left = []
-        for job, slot, tree, (ids, probs), lg, mine in zip(jobs, slots, trees, tops, logits,
-                                                            hedges):
-            main = tree.branches[0]
-            slot.tokens = np.append(slot.tokens, np.int32(main.tokens[0]))
-            if policy.multi_sequence and self.n_extra:
-                p2_ids, p2_probs = top_candidates(_tempered(lg, job.temperature), 1)
-                first = branch_candidates(ids, probs, float(p2_probs[0]),
-                                          policy.max_branches - len(mine))
-            else:
-                first = [main.tokens[0]]
-            self._extend(main, lg, job.temperature)
-            weights = [float(probs[list(ids).index(t)]) for t in first]
-            alloc = split_budget(job.evals, weights, cap=policy.k,
-                                 alpha=self.acceptance.alpha(slot.seq_id,
-                                                             regime(job.temperature)))
-            alloc[0] = max(alloc[0], 1)  # the top-1 candidate is already evaluated once
-            left = [alloc[0] - 1]
-            for j, (tok, w, a) in enumerate(zip(first[1:], weights[1:], alloc[1:]), start=1):
-                if a <= 0:
-                    continue
-                seq = self._branch_seq(slot.seq_id, j)
-                self.backend.remove(seq, 0, -1)
-                self.backend.copy(slot.seq_id, seq, 0, len(tree.prefix))
-                tree.branches.append(Branch([tok], w, seq))
-                left.append(a)
-            st.branch_counts[len(tree.branches)] += 1
-            for br, evals in mine:
-                self._extend(br, next(hedge_logits), job.temperature)
-                tree.branches.append(br)
-                left.append(evals - 1)
-            evals_left.append(left)
-        # 3. extend every branch greedily, all branches of all requests in one decode
-        while True:
-            items, owners = [], []
-            for job, slot, tree, left in zip(jobs, slots, trees, evals_left):
-                for j, br in enumerate(tree.branches):
-                    if left[j] <= 0:
-                        continue
-                    pos = tree.root_of(br) + len(br.tokens) - 1
-                    if pos + 2 >= self.n_ctx:
-                        left[j] = 0
-                        continue
-                    items.append((br.seq_id, np.array(br.tokens[-1:], dtype=np.int32), pos))
-                    owners.append((br, left, j, slot, job.temperature))
-            if not items:
-                return
-            if stop(len(items)):
-                st.interrupted += 1
-                return
-            logits, n = self._decode(items)
-            st.predraft_tokens += n
-            for (br, left, j, slot, temp), lg in zip(owners, logits):
-                if br.seq_id == slot.seq_id:
-                    slot.tokens = np.append(slot.tokens, np.int32(br.tokens[-1]))
-                self._extend(br, lg, temp)
-                left[j] -= 1
-
 
 def _hint(hints: list[Hint | None] | None, row: int) -> Hint | None:
     """Row ``row``'s lookup hint, if the proposer sent one."""
     return hints[row] if hints is not None and row < len(hints) else None
-
-
-def _tempered(logits: np.ndarray, temperature: float) -> np.ndarray:
-    """The logits a request samples from: scaled by its temperature (greedy: as they are)."""
-    return logits if temperature < 1e-5 else logits / np.float32(temperature)
-

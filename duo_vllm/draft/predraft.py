@@ -1,0 +1,365 @@
+"""The pre-draft: the next step's branch trees, grown while vLLM verifies this one.
+
+After a step, :meth:`Predrafter._plan_jobs` queues a job per request the
+controller plans a pre-draft for (:func:`~duo_vllm.control.goodput.plan_predraft`):
+from the root the next step most likely starts at (the context and what this
+step serves), one branch per likely candidate for the token the target
+samples there (DuoDecoding's dynamic multi-sequence drafting), and hedges on
+the draft's runner-ups where the target may turn a served token down.
+:meth:`Predrafter.predraft` runs the jobs on the background thread and stops
+between decode calls when the next step arrives or its deadline nears.
+Prompts vLLM is about to prefill (:meth:`Predrafter.prefetch`) are
+prefilled the same way, in shared chunks, so a request already decoding
+never waits behind another's prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from duo_vllm.control.drafting import (
+    MAX_HEDGES, PRIOR_STEP_S, call_overruns, needs_prefill, pick_hedges, predraft_catch_up,
+    predraft_deadline, prefill_chunk, prefills_prompts, probe_affordable, probe_due, prompt_depth,
+    reroot_candidates,
+)
+from duo_vllm.control.goodput import TargetCost, catch_up_pays, plan_predraft, regime
+from duo_vllm.draft.branching import Branch, Tree, branch_candidates, split_budget, top_candidates
+from duo_vllm.draft.sequences import DraftSequences
+from duo_vllm.draft.slots import common_prefix_len
+
+if TYPE_CHECKING:
+    from duo_vllm.draft.drafter import _Row
+
+
+@dataclass
+class _Job:
+    slot_id: int
+    prefix: np.ndarray  # context + the draft just returned
+    evals: int  # draft tokens the pre-draft grows for this request (its planned depth)
+    temperature: float = 0.0
+    # (root, token, p, evals) each: a branch on the draft's runner-up ``token`` after
+    # ``prefix[:root]``, reached with probability p (goodput.hedge_probs), ``evals`` deep
+    hedges: list = field(default_factory=list)
+
+
+class Predrafter(DraftSequences):
+    """Plans and runs the pre-draft of the next step, and prefills new prompts."""
+
+    def prefetch(self, contexts: list[np.ndarray]) -> int:
+        """Prompts the target is about to prefill: queue their evaluation.
+
+        Called before vLLM's prefill step, so the draft evaluates the prompt
+        while the target does (DuoDecoding's parallel prefill) and has branches
+        for the first output token ready when that step's propose() comes.
+        A prompt never takes the slot of a running request. Returns how many
+        prompts were queued (none in serial mode).
+        """
+        if not self.policy.predrafts or not prefills_prompts(self.floor_streak):
+            return 0
+        if self.stats.started is None:  # busy time counts from here, as from a step
+            self.stats.started = time.monotonic()
+        contexts = [np.asarray(c, dtype=np.int32) for c in contexts]
+        self.pool.note_prompts(contexts)
+        queued = 0
+        for ctx, a in zip(contexts, self._assign(contexts, live=self.live)):
+            if a is None:
+                self.stats.no_slot += 1
+                continue
+            ctx = a.view
+            if len(ctx) == 0 or len(ctx) + 2 >= self.n_ctx:
+                continue
+            sid = a.slot.seq_id
+            self._clear_tree(sid)
+            a.slot.queued, a.slot.queued_at = ctx, self.pool.clock
+            self.last_draft.pop(sid, None)
+            self.acceptance.forget(sid)
+            self.jobs = [j for j in self.jobs if j.slot_id != sid]
+            self.jobs.append(_Job(sid, ctx, prompt_depth(self.policy.budget, self.policy.k)))
+            queued += 1
+        self.stats.prefetched_prompts += queued
+        return queued
+
+    def _plan_jobs(self, rows: list[_Row], out, p_served: dict, cost: TargetCost,
+                   batch: int, shorter: dict | None = None, alts: dict | None = None) -> None:
+        """The next step's pre-draft: which requests, how deep (the controller's plan).
+
+        ``out`` is what each row is served this step; ``p_served`` per row the
+        tokens of it the pre-draft's root holds and the chance the target's
+        tokens reach that root (the branches continue it); ``shorter`` per row
+        whose root is after a copied tail, the root where the copy parts from
+        the model: taken where the first leaves no branch room in the step (a
+        catch-up of the whole copy and one level outlast it), so the next step
+        finds a tree for the likelier of the other outcomes rather than none.
+        ``alts`` per greedy row the runner_up() of each model token it is served:
+        where the target may turn one down, a hedge (a branch on the runner-up,
+        rooted before that token) competes for the step's draft time with the
+        roots' branches, by the same worth per second.
+        """
+        self.jobs = []
+        self.planned = set()  # slots with a pre-draft queued for the next step
+        policy = self.policy
+        if not policy.predrafts:
+            return
+        shorter = shorter or {}
+        rows = [r for r in rows if len(r.ctx) + len(out[r.row]) + 2 < self.n_ctx]
+        planned_hedges = [[] for _ in rows]
+        roots = [p_served[r.row] for r in rows]
+
+        def prefix(r, root):  # the root: the context and the served draft, or a part of it
+            return np.concatenate([r.ctx, np.asarray(out[r.row][:root[0]], dtype=np.int32)])
+
+        prefixes = [prefix(r, root) for r, root in zip(rows, roots)]
+        if policy.budget is not None:
+            depths = [policy.budget] * len(rows)
+        else:
+            def plan(prefixes, roots, hedges=()):
+                catch_up = [predraft_catch_up(len(p) - common_prefix_len(r.slot.tokens, p),
+                                              r.background) for r, p in zip(rows, prefixes)]
+                of = [rows[i] for i, _, _, _ in hedges]  # a hedge: no catch-up of its own
+                return plan_predraft([r.alpha for r in rows + of],
+                                     [root[1] * r.alpha for r, root in zip(rows, roots)]
+                                     + [p for *_, p in hedges],
+                                     [r.k for r in rows + of], catch_up + [0] * len(hedges),
+                                     self.expected_step_s, self.draft_time,
+                                     min_gain=cost.threshold(batch),
+                                     owners=[None] * len(rows) + [i for i, *_ in hedges])
+
+            depths = plan(prefixes, roots)
+            swap = reroot_candidates(depths, [r.background for r in rows],
+                                     [r.row in shorter for r in rows])
+            if swap:
+                alt_roots, alt_prefixes = list(roots), list(prefixes)
+                for i in swap:
+                    alt_roots[i] = shorter[rows[i].row]
+                    alt_prefixes[i] = prefix(rows[i], alt_roots[i])
+                alt = plan(alt_prefixes, alt_roots)
+                if any(alt[i] for i in swap):
+                    depths, prefixes, roots = alt, alt_prefixes, alt_roots
+                    self.stats.shorter_roots += sum(1 for i in swap if alt[i])
+            hedges = self._hedges(rows, roots, alts or {})
+            if hedges:
+                both = plan(prefixes, roots, hedges)
+                depths = both[:len(rows)]
+                for (i, root, tok, p), m in zip(hedges, both[len(rows):]):
+                    if m and depths[i]:  # a hedge rides on its request's pre-draft
+                        planned_hedges[i].append((len(rows[i].ctx) + root, tok, p, m))
+            prefill_s = self._prefill_token_s()
+            for i, r in enumerate(rows):
+                if depths[i] == 0 and probe_due(self.quiet.get(r.slot.seq_id, 0)) \
+                        and probe_affordable(r.catch_up, prefill_s, cost.t0):
+                    depths[i] = 1
+                    self.stats.probes += 1
+                # a request that ends before the draft could catch up: left to the target
+                # (and its cores, lent while the draft has nothing to run)
+                if depths[i] and r.background and not catch_up_pays(
+                        r.catch_up, prefill_s, r.remaining, cost.t0):
+                    depths[i] = 0
+                    self.stats.short_lived += 1
+        for r, p, m, h in zip(rows, prefixes, depths, planned_hedges):
+            if m > 0:  # a request planned no draft is not even caught up
+                self.jobs.append(_Job(r.slot.seq_id, p, m, r.temperature, h))
+                self.stats.hedged_roots += len(p) < len(r.ctx) + len(out[r.row])
+                self.stats.hedges += len(h)
+        self.planned = {job.slot_id for job in self.jobs}
+
+    def _hedges(self, rows: list[_Row], roots, alts: dict) -> list[tuple[int, int, int, float]]:
+        """Hedge candidates, (row index, served tokens before it, runner-up, p) each: per
+        greedy request caught up, at most ``MAX_HEDGES`` (and branch sequences to spare),
+        the likeliest, at model tokens its root holds."""
+        out = []
+        room = min(MAX_HEDGES, self.n_extra) if self.hedging else 0
+        for i, (r, root) in enumerate(zip(rows, roots)):
+            a = alts.get(r.row)
+            if not a or not room or r.background:
+                continue
+            a = a[:root[0]]
+            out += [(i, j, a[j][0], p) for p, j in pick_hedges(r.alpha, a, room)]
+        return out
+
+    # -- ahead of time, while vLLM verifies ------------------------------------
+    def deadline_after(self, returned_at: float) -> float | None:
+        """When the pre-draft should be done: when vLLM is expected back (auto budget)."""
+        return predraft_deadline(returned_at, self.expected_step_s, self.policy.budget is not None)
+
+    def predraft(self, interrupt=lambda: False, deadline: float | None = None) -> None:
+        """Run the queued pre-draft jobs.
+
+        Stops between decode calls on ``interrupt()`` (the next step is here).
+        Branches also stop growing before a decode call that would overrun
+        ``deadline`` (``time.perf_counter()`` clock; the call's time is D(w),
+        measured; :func:`~duo_vllm.control.drafting.call_overruns`), so the next
+        step does not wait for it; prompt prefills go on past it.
+        """
+        jobs, self.jobs = self.jobs, []
+        if not jobs:
+            return
+        t0 = time.perf_counter()
+
+        def stop(width: int) -> bool:
+            """Stop before a decode call of ``width`` tokens that would end past the deadline."""
+            return interrupt() or call_overruns(time.perf_counter(), self.draft_time(width),
+                                                deadline)
+        try:
+            self._predraft(jobs, interrupt, stop)
+        except Exception:
+            self._recover([self.pool.slots[j.slot_id] for j in jobs])
+        self.stats.busy_s += time.perf_counter() - t0
+
+    def _predraft(self, jobs: list[_Job], interrupt, stop) -> None:
+        """Grow branch trees for the jobs that are caught up; prefill the others.
+
+        A job further behind than ``CATCH_UP`` tokens holds a new prompt
+        (:func:`~duo_vllm.control.drafting.needs_prefill`). Those are prefilled
+        in shared chunks, the shortest first, and each
+        joins the tree growing once it is caught up. So a request already
+        decoding never waits behind another's prompt, and no decode call
+        outlasts one chunk.
+        """
+        slots = {job.slot_id: self.pool.slots[job.slot_id] for job in jobs}
+        for job in jobs:
+            self._sync_slot(slots[job.slot_id], job.prefix)
+        while jobs:
+            behind = [len(job.prefix) - len(slots[job.slot_id].tokens) for job in jobs]
+            ready = [job for job, n in zip(jobs, behind) if not needs_prefill(n)]
+            jobs = [job for job, n in zip(jobs, behind) if needs_prefill(n)]
+            if ready:
+                self._grow_trees(ready, [slots[job.slot_id] for job in ready], interrupt, stop)
+            if not jobs:
+                return
+            if interrupt():
+                self.stats.interrupted += 1  # the prefill goes on next time, from where it is
+                return
+            self._prefill_chunk(jobs, slots, self._chunk_tokens(jobs))
+
+    def _chunk_tokens(self, prefilling: list[_Job]) -> int:
+        """Prefill chunk size (:func:`~duo_vllm.control.drafting.prefill_chunk`)."""
+        others = self.live - {job.slot_id for job in prefilling}
+        return prefill_chunk(bool(others), self.expected_step_s or self.target_step_s
+                             or PRIOR_STEP_S, self._prefill_token_s())
+
+    def _prefill_chunk(self, jobs: list[_Job], slots: dict, room: int) -> None:
+        """One decode call of up to ``room`` prompt tokens, shortest prompt first.
+
+        Each prompt's last token is left for the tree growing (its logits are
+        the first branch point).
+        """
+        items, owners = [], []
+        for job in sorted(jobs, key=lambda j: len(j.prefix) - len(slots[j.slot_id].tokens)):
+            slot = slots[job.slot_id]
+            start = len(slot.tokens)
+            n = min(len(job.prefix) - start - 1, room)
+            items.append((slot.seq_id, job.prefix[start:start + n], start))
+            owners.append((job, slot, start + n))
+            room -= n
+            if room <= 0:
+                break
+        _, n = self._decode(items)
+        self.stats.predraft_tokens += n
+        for job, slot, end in owners:
+            slot.tokens = job.prefix[:end]
+
+    def _grow_trees(self, jobs: list[_Job], slots: list, interrupt, stop) -> None:
+        st, policy = self.stats, self.policy
+        # 1. catch up: evaluate the tail of the returned draft (usually its last
+        #    token; at most CATCH_UP tokens a job, so one decode call)
+        items = [(slot.seq_id, job.prefix[len(slot.tokens):], len(slot.tokens))
+                 for job, slot in zip(jobs, slots)]
+        logits, n = self._decode(items)
+        st.predraft_tokens += n
+        tops = [top_candidates(_tempered(lg, job.temperature)) for job, lg in zip(jobs, logits)]
+        for job, slot in zip(jobs, slots):
+            slot.tokens = job.prefix
+        trees = [Tree(job.prefix, [Branch([int(ids[0])], float(p[0]), slot.seq_id)])
+                 for job, slot, (ids, p) in zip(jobs, slots, tops)]
+        for slot, tree in zip(slots, trees):
+            self.trees[slot.seq_id] = tree
+        grow = [i for i, job in enumerate(jobs) if job.evals > 0]  # planned depth 0: caught up
+        jobs, slots, trees, tops = ([x[i] for i in grow] for x in (jobs, slots, trees, tops))
+        if not jobs:
+            return
+        if stop(len(jobs) + sum(len(job.hedges) for job in jobs)):
+            st.interrupted += 1
+            return
+        # 2. evaluate the top-1 candidate: its successor, and p2 for the θ rule; and each
+        #    hedge's first token (the branch sequences after the θ rule's are theirs)
+        items = [(slot.seq_id, np.array(tree.branches[0].tokens, dtype=np.int32),
+                  len(tree.prefix)) for slot, tree in zip(slots, trees)]
+        hedges = []
+        for job, slot in zip(jobs, slots):
+            mine = []
+            for h, (root, tok, p, evals) in enumerate(job.hedges):
+                seq = self._branch_seq(slot.seq_id, self.n_extra - h)
+                self.backend.remove(seq, 0, -1)
+                self.backend.copy(slot.seq_id, seq, 0, root)
+                mine.append((Branch([tok], p, seq, root=root), evals))
+                items.append((seq, np.array([tok], dtype=np.int32), root))
+            hedges.append(mine)
+        logits, n = self._decode(items)
+        st.predraft_tokens += n
+        hedge_logits = iter(logits[len(jobs):])
+        evals_left = []
+        for job, slot, tree, (ids, probs), lg, mine in zip(jobs, slots, trees, tops, logits,
+                                                            hedges):
+            main = tree.branches[0]
+            slot.tokens = np.append(slot.tokens, np.int32(main.tokens[0]))
+            if policy.multi_sequence and self.n_extra:
+                p2_ids, p2_probs = top_candidates(_tempered(lg, job.temperature), 1)
+                first = branch_candidates(ids, probs, float(p2_probs[0]),
+                                          policy.max_branches - len(mine))
+            else:
+                first = [main.tokens[0]]
+            self._extend(main, lg, job.temperature)
+            weights = [float(probs[list(ids).index(t)]) for t in first]
+            alloc = split_budget(job.evals, weights, cap=policy.k,
+                                 alpha=self.acceptance.alpha(slot.seq_id,
+                                                             regime(job.temperature)))
+            alloc[0] = max(alloc[0], 1)  # the top-1 candidate is already evaluated once
+            left = [alloc[0] - 1]
+            for j, (tok, w, a) in enumerate(zip(first[1:], weights[1:], alloc[1:]), start=1):
+                if a <= 0:
+                    continue
+                seq = self._branch_seq(slot.seq_id, j)
+                self.backend.remove(seq, 0, -1)
+                self.backend.copy(slot.seq_id, seq, 0, len(tree.prefix))
+                tree.branches.append(Branch([tok], w, seq))
+                left.append(a)
+            st.branch_counts[len(tree.branches)] += 1
+            for br, evals in mine:
+                self._extend(br, next(hedge_logits), job.temperature)
+                tree.branches.append(br)
+                left.append(evals - 1)
+            evals_left.append(left)
+        # 3. extend every branch greedily, all branches of all requests in one decode
+        while True:
+            items, owners = [], []
+            for job, slot, tree, left in zip(jobs, slots, trees, evals_left):
+                for j, br in enumerate(tree.branches):
+                    if left[j] <= 0:
+                        continue
+                    pos = tree.root_of(br) + len(br.tokens) - 1
+                    if pos + 2 >= self.n_ctx:
+                        left[j] = 0
+                        continue
+                    items.append((br.seq_id, np.array(br.tokens[-1:], dtype=np.int32), pos))
+                    owners.append((br, left, j, slot, job.temperature))
+            if not items:
+                return
+            if stop(len(items)):
+                st.interrupted += 1
+                return
+            logits, n = self._decode(items)
+            st.predraft_tokens += n
+            for (br, left, j, slot, temp), lg in zip(owners, logits):
+                if br.seq_id == slot.seq_id:
+                    slot.tokens = np.append(slot.tokens, np.int32(br.tokens[-1]))
+                self._extend(br, lg, temp)
+                left[j] -= 1
+
+
+def _tempered(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """The logits a request samples from: scaled by its temperature (greedy: as they are)."""
+    return logits if temperature < 1e-5 else logits / np.float32(temperature)
