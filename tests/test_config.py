@@ -3,7 +3,7 @@ import json
 import pytest
 
 from duo_vllm.config import (
-    TUNING_OPTIONS, USER_OPTIONS, DuoConfig, DuoConfigError, default_draft_cores, nest_tuning,
+    TUNING_OPTIONS, USER_OPTIONS, DuoConfig, DuoConfigError, nest_tuning,
     parse_cpu_list, resolve_draft_cores, target_cores,
 )
 
@@ -109,13 +109,6 @@ def test_target_cores_from_vllm_env():
     # auto binding inside vLLM's worker: libgomp's or Intel OpenMP's list
     assert target_cores({"VLLM_CPU_OMP_THREADS_BIND": "auto", "GOMP_CPU_AFFINITY": "1 0"}) == [0, 1]
     assert target_cores({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[2,3]"}) == [2, 3]
-
-
-def test_default_draft_cores_take_what_vllm_leaves():
-    assert default_draft_cores([0, 1], [0]) == ([1], False)
-    assert default_draft_cores([0, 1, 2, 3], [0, 1]) == ([2, 3], False)
-    assert default_draft_cores([0, 1], [0, 1]) == ([1], True)
-    assert default_draft_cores([0, 1], None) == ([1], True)
 
 
 def test_resolve_rejects_cores_that_do_not_exist():
