@@ -15,7 +15,7 @@ class Target:
         self.gate.set()
 
     def propose(self, contexts, budgets):
-        self.gate.wait(5)
+        self.gate.wait(30)  # a safety bound: the tests open the gate
         self.calls.append(("propose", len(contexts)))
         return [[len(c)] * b for c, b in zip(contexts, budgets)]
 
@@ -70,10 +70,15 @@ def test_a_call_under_way_never_holds_up_the_next_send(served):
     target, _, channel = served
     target.gate.clear()  # a call that waits out the actor's decode call
     late = channel.submit("propose", [[1]], [1])
-    t0 = time.perf_counter()
     big = [list(range(200_000))]  # past the socket's buffer: read off it as it comes
-    channel.submit("prefetch", big, reply=False)
-    assert time.perf_counter() - t0 < 2.0
+    sent = threading.Event()
+    threading.Thread(target=lambda: (channel.submit("prefetch", big, reply=False),
+                                     sent.set()), daemon=True).start()
+    # the send completes while the call under way still holds the actor: only the test
+    # opens the gate (a send stuck behind the call would end only once the gate's own
+    # bound let the call finish, and the call would show in target.calls)
+    assert sent.wait(timeout=60)
+    assert target.calls == []
     target.gate.set()
     assert channel.get(late, timeout=5) == [[1]]
     assert channel.get(channel.submit("propose", [[1]], [1]), timeout=5) == [[1]]

@@ -1,7 +1,5 @@
 """The lookup source: the n-gram matcher on hand-built contexts, scoring, source choice."""
 
-import time
-
 import numpy as np
 import pytest
 
@@ -48,15 +46,13 @@ def test_the_matcher_agrees_with_a_brute_force_search():
         assert find_continuation(c, 3, 2, 6).tolist() == want, c.tolist()
 
 
-def test_the_matcher_is_cheap_at_16k_tokens():
+def test_the_matcher_finds_an_early_match_in_16k_tokens():
+    # its cost at that length: python -m benchmarks.lookup_cost
     rng = np.random.default_rng(0)
     c = rng.integers(0, 50000, 16384).astype(np.int32)
     c[-6:] = c[100:106]
-    t = time.perf_counter()
     out = find_continuation(c, 8, 2, 8)
-    elapsed = time.perf_counter() - t
     assert out.tolist() == c[106:114].tolist()
-    assert elapsed < 0.05  # a bound far above the measured ~0.1 ms, not a speed claim
 
 
 def test_a_draft_is_judged_as_far_as_the_target_produced():
