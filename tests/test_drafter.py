@@ -1,3 +1,5 @@
+import threading
+
 import numpy as np
 import pytest
 
@@ -456,27 +458,79 @@ def slow_worker(token_s, **cfg):
     return be, DraftWorker(cfg, "fake.gguf", None, k=3, backend_factory=lambda _: be)
 
 
-def test_worker_never_makes_vllm_wait_for_a_prefill():
-    import time
+class GatedBackend(FakeBackend):
+    """A fake backend whose decode calls the test holds: after :meth:`hold`, each call
+    waits until :meth:`release` (``entered`` is set as one starts, ``under_way``
+    counts those inside). What the worker did while a call was held shows what it
+    waited for, with no clock: a call still held after some method returned was
+    not waited for. A call held past ``BOUND_S`` goes on by itself and counts in
+    ``expired`` (a test that waits for it fails instead of hanging)."""
 
-    be, w = slow_worker(0.02)
-    freeze_timings(w.drafter, token_s=0.02, prefill_s=0.02)
+    BOUND_S = 30.0
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.gate.set()
+        self.started = self.under_way = self.expired = 0
+        self.events: list[str] = []  # "decode ended" after each call held
+
+    def hold(self) -> None:
+        self.entered.clear()
+        self.gate.clear()
+
+    def release(self) -> None:
+        self.gate.set()
+
+    def decode(self, items):
+        self.started += 1
+        self.under_way += 1
+        self.entered.set()
+        held = not self.gate.is_set()
+        try:
+            if not self.gate.wait(self.BOUND_S):
+                self.expired += 1
+            return super().decode(items)
+        finally:
+            self.under_way -= 1
+            if held:
+                self.events.append("decode ended")
+
+
+def gated_worker(token_s=0.01, **cfg):
+    """A parallel DraftWorker on a :class:`GatedBackend`, its measured times pinned
+    (a held call would otherwise be measured as a very slow one)."""
+    from duo_vllm.runtime.actor import DraftWorker
+
+    be = GatedBackend()
+    cfg = {"use_actor": False, "budget": 3, "multi_sequence": False, **cfg}
+    w = DraftWorker(cfg, "fake.gguf", None, k=3, backend_factory=lambda _: be)
+    freeze_timings(w.drafter, token_s=token_s, prefill_s=token_s)
+    return be, w
+
+
+def test_worker_never_makes_vllm_wait_for_a_prefill():
+    be, w = gated_worker(0.02)
     try:
-        prompt = ctx(*[(3 * i) % 50 for i in range(100)])  # 100 tokens: 2 s of prefill
+        be.hold()  # every decode call from here waits for the test
+        prompt = ctx(*[(3 * i) % 50 for i in range(100)])  # prefilled in the background
         assert w.propose(StepRequest([prompt], [3], 0.05)) == [[]]
-        time.sleep(0.1)  # the background prefill is under way
+        assert be.entered.wait(30)  # the background prefill is under way, held
         seq = prompt
-        for _ in range(3):  # vLLM decodes on without drafts, never blocked
+        for _ in range(3):  # vLLM decodes on without drafts
             seq = np.append(seq, np.int32(be.next_token(int(seq[-1]))))
-            t1 = time.perf_counter()
             assert w.propose(StepRequest([seq], [3], 0.05)) == [[]]
-            assert time.perf_counter() - t1 < 0.2
-        assert w.drafter.stats.skipped_busy >= 1
+        # every step returned while the prefill's decode call was still held: none
+        # waited for it (a wait would have lasted until the hold's bound ran out)
+        assert be.under_way == 1 and be.expired == 0
+        assert w.drafter.stats.skipped_busy >= 3
+        be.release()
         assert w.wait_idle(timeout=10)
         seq = np.append(seq, np.int32(be.next_token(int(seq[-1]))))
         (draft,) = w.propose(StepRequest([seq], [3], 0.05))
-        assert draft == be.chain(int(seq[-1]), 3)
+        assert draft == be.chain(int(seq[-1]), 3) and be.expired == 0
     finally:
+        be.release()
         w.close()
 
 
@@ -521,16 +575,17 @@ def test_prefetch_is_off_in_serial_mode_and_gives_each_request_its_slot():
 
 
 def test_worker_prefetch_returns_at_once_and_the_first_step_hits():
-    import time
-
     from duo_vllm.runtime.actor import DraftWorker
 
-    be, w = slow_worker(0.002)
+    be, w = gated_worker(0.002)
     try:
-        prompt = ctx(*[(3 * i) % 50 for i in range(200)])  # 0.4 s of prefill
-        t0 = time.perf_counter()
+        be.hold()
+        prompt = ctx(*[(3 * i) % 50 for i in range(200)])
         assert w.prefetch([prompt]) == 1
-        assert time.perf_counter() - t0 < 0.05  # vLLM's step is not held up
+        # vLLM's step is not held up: the prefill runs in the background, held by the
+        # test after prefetch() returned
+        assert be.entered.wait(30) and be.under_way == 1
+        be.release()
         assert w.wait_idle(timeout=10)  # meanwhile the target prefills
         b = be.next_token(int(prompt[-1]))
         (draft,) = w.propose(StepRequest([np.append(prompt, np.int32(b))], [3], 0.05))
@@ -538,7 +593,9 @@ def test_worker_prefetch_returns_at_once_and_the_first_step_hits():
         s = w.stats()
         assert s["predraft_hits"] == 1 and s["prefetched_prompts"] == 1
         assert s["skipped_busy"] == 0
+        assert be.expired == 0
     finally:
+        be.release()
         w.close()
     serial_worker = DraftWorker({"use_actor": False, "parallel": False}, "fake.gguf", None,
                                 k=3, backend_factory=lambda _: FakeBackend())
@@ -589,22 +646,21 @@ def test_serial_controller_probes_a_quiet_request_on_the_spot():
 def test_stats_do_not_wait_out_a_background_prefill():
     """Ray queues the next step's propose() behind a stats call: stats must not hold
     it for a whole background prefill (that read as a stalled actor), nor stop it."""
-    import time
-
-    be, w = slow_worker(0.01)
-    freeze_timings(w.drafter, token_s=0.01, prefill_s=0.01)
+    be, w = gated_worker(0.01)
     try:
-        prompt = ctx(*[(3 * i) % 50 for i in range(200)])  # 2 s of prefill
+        be.hold()
+        prompt = ctx(*[(3 * i) % 50 for i in range(200)])
         assert w.prefetch([prompt]) == 1
-        time.sleep(0.1)  # under way
-        t0 = time.perf_counter()
+        assert be.entered.wait(30)  # a prefill chunk under way, held
         assert w.stats()["prefetched_prompts"] == 1
-        assert time.perf_counter() - t0 < 0.5
+        assert be.under_way == 1  # answered while the chunk was still held
+        be.release()
         assert w.wait_idle(timeout=10)  # the prefill went on
         b = be.next_token(int(prompt[-1]))
         (draft,) = w.propose(StepRequest([np.append(prompt, np.int32(b))], [3], 0.05))
-        assert draft == be.chain(b, 3)
+        assert draft == be.chain(b, 3) and be.expired == 0
     finally:
+        be.release()
         w.close()
 
 
@@ -649,18 +705,21 @@ def test_the_pre_draft_continues_what_the_proposer_serves(lookup, alpha_lookup, 
 def test_pause_drops_the_background_work_and_the_next_step_resumes():
     import time
 
-    be, w = slow_worker(0.01)
-    freeze_timings(w.drafter, token_s=0.01, prefill_s=0.01)
+    be, w = gated_worker(0.01)
     try:
-        long = ctx(*[(3 * i) % 50 for i in range(300)])  # 3 s of prefill in 64-token chunks
+        be.hold()
+        long = ctx(*[(3 * i) % 50 for i in range(300)])  # prefilled in 64-token chunks
         w.prefetch([long, ctx(*[(5 * i) % 50 for i in range(300)])])
-        time.sleep(0.2)  # a chunk or two under way
+        assert be.entered.wait(30)  # a chunk under way, held
+        started = be.started
         w.pause()  # the gate turned drafting off
-        t0 = time.perf_counter()
+        be.release()
         assert w.wait_idle(timeout=10)
-        assert time.perf_counter() - t0 < 1.0  # the chunk under way ends; nothing follows it
+        # the chunk under way ended; no decode call followed it
+        assert be.started == started and be.expired == 0
         held = max(len(s.tokens) for s in w.drafter.pool.slots)
-        time.sleep(0.3)
+        time.sleep(0.3)  # a window for background work that should not come
+        assert be.started == started
         assert max(len(s.tokens) for s in w.drafter.pool.slots) == held < 300  # idle
         seq = np.append(long, np.int32(be.next_token(int(long[-1]))))
         assert w.propose(StepRequest([seq], [3], 0.05)) == [[]]  # drafting resumes: prefilled again
@@ -668,40 +727,29 @@ def test_pause_drops_the_background_work_and_the_next_step_resumes():
         seq = np.append(seq, np.int32(be.next_token(int(seq[-1]))))
         assert w.propose(StepRequest([seq], [3], 0.05))[0] == be.chain(int(seq[-1]), 3)
     finally:
+        be.release()
         w.close()
 
 
 def test_a_pause_that_waits_returns_once_the_decode_call_under_way_has_ended():
-    import time
-
-    class Watched(SlowBackend):
-        busy = False
-
-        def decode(self, items):
-            self.busy = True
-            try:
-                return super().decode(items)
-            finally:
-                self.busy = False
-
-    from duo_vllm.runtime.actor import DraftWorker
-
-    be = Watched(0.01)
-    w = DraftWorker({"use_actor": False, "budget": 3, "multi_sequence": False}, "fake.gguf",
-                    None, k=3, backend_factory=lambda _: be)
-    freeze_timings(w.drafter, token_s=0.01, prefill_s=0.01)
+    be, w = gated_worker(0.01)
     try:
-        w.prefetch([ctx(*[(3 * i) % 50 for i in range(300)])])  # 64-token chunks: 0.64 s each
-        deadline = time.perf_counter() + 5
-        while not be.busy and time.perf_counter() < deadline:
-            time.sleep(0.005)
-        assert be.busy  # a chunk under way
-        t0 = time.perf_counter()
+        be.hold()
+        w.prefetch([ctx(*[(3 * i) % 50 for i in range(300)])])  # in 64-token chunks
+        assert be.entered.wait(30)  # a chunk under way, held
+        started, pausing = be.started, threading.Event()
+        releaser = threading.Thread(target=lambda: (pausing.wait(30), be.release()),
+                                    daemon=True)
+        releaser.start()
+        pausing.set()  # the chunk is let go as the pause begins
         w.pause(wait=True)  # the target is about to take the draft's core
-        assert not be.busy and time.perf_counter() - t0 > 0.05  # it waited out the chunk
-        time.sleep(0.1)
-        assert not be.busy  # and nothing followed it
+        be.events.append("pause returned")
+        assert be.events == ["decode ended", "pause returned"]  # it waited out the chunk
+        releaser.join()
+        assert w.wait_idle(timeout=10)
+        assert be.started == started and be.expired == 0  # and nothing followed it
     finally:
+        be.release()
         w.close()
 
 
@@ -860,94 +908,11 @@ def test_a_weak_lookup_tail_is_pre_drafted_from_where_it_parts_from_the_model():
     assert list(d.jobs[0].prefix) == [1, 2, 17, 22, 7] and d.stats.hedged_roots == 1
 
 
-def test_a_root_after_a_copy_too_long_to_catch_up_in_the_step_moves_to_where_it_parts():
-    """A miss served a strong 6-token copy: rooted after it, the pre-draft would first
-    evaluate all 6 (a 7-token call, 34 ms here) and no branch fits a 30 ms step, so
-    nothing was planned and the next step missed whatever the target did. Rooted
-    where the copy parts from the model (before its first token: a 1-token catch-up),
-    a tree is ready for the target turning the copy down at once."""
-    from duo_vllm.sources.lookup import Hint
-
-    def step(step_s):
-        be, d = make(auto(), n_ctx=200)
-        d.draft_time = FixedDraftTime(0.010, 0.004)
-        seq = [1, 2, 17, 22]
-        d.propose(StepRequest([ctx(*seq[:-1])], [4], 0.03, per_token_s=0.001))
-        d.predraft()
-        # the target's token is 9, which no branch starts with: a miss, served its
-        # strong copy rather than a draft on the spot
-        copy = [30, 31, 32, 33, 34, 35]
-        (draft,) = d.propose(StepRequest([ctx(*seq[:-1], 9)], [4], step_s, per_token_s=0.001,
-                                         hints=[Hint(copy, 0.9, 0.9, 0.0)]))
-        return be, d, draft
-
-    be, d, draft = step(0.030)
-    assert draft == [] and d.stats.lookup_misses == 1
-    assert len(d.jobs) == 1 and list(d.jobs[0].prefix) == [1, 2, 17, 9]  # before the copy
-    assert d.stats.shorter_roots == 1
-    d.predraft()
-    # the target turned the copy's 30 down and picked the draft's own token: a hit
-    (nxt,) = d.propose(StepRequest([ctx(1, 2, 17, 9, be.next_token(9))], [4], 0.03,
-                                   per_token_s=0.001))
-    assert nxt and d.stats.predraft_hits >= 1
-    # a long step: the catch-up of the copy and a level fit; rooted after the copy
-    be, d, draft = step(0.080)
-    assert list(d.jobs[0].prefix) == [1, 2, 17, 9, 30, 31, 32, 33, 34, 35]
-    assert d.stats.shorter_roots == 0
-
-
-def test_a_hedge_is_ready_where_the_target_turns_the_drafts_first_token_down():
-    """The draft is unsure after 9 (5: p .39, 6: p .26). Served [5, ...], the pre-draft
-    hedges: a branch on 6 rooted before the 5. The target turns the 5 down for 6: the
-    hedge is a hit, its draft served with nothing evaluated while vLLM waits, and the
-    request's sequence is the hedge's from then on."""
-    from duo_vllm.control.goodput import Acceptance
-
-    be = FakeBackend(spread={9: {5: 4.0, 6: 3.6}})
-    _, d = make(auto(multi_sequence=True), backend=be)
-    d.acceptance = Acceptance(prior={"greedy": 0.6, "sampled": 0.5})
-    d.draft_time = FixedDraftTime(0.010)
-    (draft,) = d.propose(StepRequest([ctx(1, 2, 9)], [4], 0.05, per_token_s=0.002))
-    assert draft[0] == 5
-    (job,) = d.jobs
-    assert [(root, tok) for root, tok, _, _ in job.hedges] == [(3, 6)]
-    assert d.stats.hedges == 1
-    d.predraft()
-    hedge = d.trees[0].branches[-1]
-    assert hedge.root == 3 and hedge.tokens[:2] == [6, be.next_token(6)]
-    be.evaluated.clear()
-    (draft2,) = d.propose(StepRequest([ctx(1, 2, 9, 6)], [4], 0.05, per_token_s=0.002))
-    assert draft2 and draft2 == be.chain(6, len(draft2))
-    assert be.evaluated == [] and d.stats.hedge_hits == 1 and d.stats.predraft_hits == 1
-    assert be.seqs[0][:4] == [1, 2, 9, 6]
-    # and on from there, the sequence in step with the context (here the turned-down
-    # token lowered α and nothing was pre-drafted: drafted on the spot)
-    d.predraft()
-    nxt = ctx(1, 2, 9, 6, *draft2, be.next_token(draft2[-1]))
-    (draft3,) = d.propose(StepRequest([nxt], [4], 0.05, per_token_s=0.002))
-    assert draft3 and draft3 == be.chain(int(nxt[-1]), len(draft3))
-    assert be.seqs[0][:len(nxt)] == list(nxt)
-
-
-def test_no_hedge_for_a_confident_draft_or_a_sampled_request():
-    be = FakeBackend()  # p ≈ .98 for every draft token: a hedge is worth nothing
-    _, d = make(auto(multi_sequence=True), backend=be)
-    d.draft_time = FixedDraftTime(0.010)
-    d.propose(StepRequest([ctx(1, 2, 9)], [4], 0.05, per_token_s=0.002))
-    assert d.jobs and not d.jobs[0].hedges
-    be = FakeBackend(spread={9: {5: 4.0, 6: 3.6}})
-    _, d = make(auto(multi_sequence=True), backend=be)
-    d.draft_time = FixedDraftTime(0.010)
-    d.propose(StepRequest([ctx(1, 2, 9)], [4], 0.05, [0.7], 0.002))
-    assert all(not job.hedges for job in d.jobs) and d.stats.hedges == 0
-
-
 @pytest.mark.expect_swallowed(RuntimeError, reason="the backend's injected failure")
 def test_a_failed_predraft_leaves_no_branch_sequence_holding_cells():
-    """A decode that fails while the pre-draft evaluates its first level (the hedge's
-    sequence already holds its root's copy of the context): every branch sequence of
-    the slot is emptied, not only those of the tree, so none keeps KV cells until its
-    next use."""
+    """A decode that fails while the pre-draft extends its branches (each branch
+    sequence already holds its copy of the context): every branch sequence of the
+    slot is emptied, so none keeps KV cells until its next use."""
     from duo_vllm.control.goodput import Acceptance
 
     class FailsOnBranches(FakeBackend):
@@ -956,12 +921,12 @@ def test_a_failed_predraft_leaves_no_branch_sequence_holding_cells():
                 raise RuntimeError("boom")
             return super().decode(items)
 
-    be = FailsOnBranches(spread={9: {5: 4.0, 6: 3.6}})
+    be = FailsOnBranches(spread={t: {10: 4.0, 11: 3.9} for t in range(50)})  # unsure
     _, d = make(auto(multi_sequence=True), backend=be)
     d.acceptance = Acceptance(prior={"greedy": 0.6, "sampled": 0.5})
     d.draft_time = FixedDraftTime(0.010)
     d.propose(StepRequest([ctx(1, 2, 9)], [4], 0.05, per_token_s=0.002))
-    assert d.jobs[0].hedges
+    assert d.jobs
     d.predraft()
     assert d.stats.errors == 1
     assert all(not cells for seq, cells in be.seqs.items() if seq >= d.pool.size)
