@@ -170,7 +170,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
           "sync_s", "sync_calls", "propose_calls", "lookup_misses", "lent_steps",
           "lend_switches", "matmul_remakes", "matmul_remakes_skipped", "drawn_tokens",
           "lent_prefills", "hedged_roots",
-          "deep_hits", "shorter_roots", "hedges", "hedge_hits", "extended",
+          "deep_hits", "extended",
           "cache_hits", "cache_tokens")}
     lengths = {int(n): c - before.get("chosen_lengths", {}).get(n, 0)
                for n, c in after.get("chosen_lengths", {}).items()}
@@ -203,10 +203,6 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         # pre-drafts rooted where a weak copied tail parts from the model; hits past a
         # branch's first token
         "hedged_roots": d["hedged_roots"], "deep_hits": d["deep_hits"],
-        # of them, rooted there since a root after the copy left no branch room in the step
-        "shorter_roots": d["shorter_roots"],
-        # branches on the draft's runner-up, rooted before a served model token; hits on them
-        "hedges": d["hedges"], "hedge_hits": d["hedge_hits"],
         # steps the target ran on the draft's cores too, and switches (duo-lend)
         "lent_steps": d["lent_steps"], "lend_switches": d["lend_switches"],
         "matmul_remakes": d["matmul_remakes"],
@@ -525,7 +521,7 @@ def summarise(results: dict) -> dict:
                     "lent_steps", "lend_switches", "matmul_remakes", "matmul_remakes_skipped",
                     "lent_prefills", "drawn_tokens",
                     "gate_log", "capped_steps", "predraft_misses", "hedged_roots", "deep_hits",
-                    "shorter_roots", "hedges", "hedge_hits", "extended", "cache_hits",
+                    "extended", "cache_hits",
                     "cache_tokens")}
             if s["temperature"] == 0.0 and key in ref_shapes:
                 mine = [x["token_ids"] for x in rows if x["repeat"] == 0]
@@ -639,10 +635,8 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                          "misses served a lookup draft "
                          f"instead {c.get('lookup_misses')}; pre-draft misses by why "
                          f"{c.get('predraft_misses')}; pre-drafts rooted inside a copied "
-                         f"tail {c.get('hedged_roots')} (for want of time in the step "
-                         f"{c.get('shorter_roots')}), hits past a branch's first token "
-                         f"{c.get('deep_hits')}; hedges on the draft's runner-up "
-                         f"{c.get('hedges')}, hits on them {c.get('hedge_hits')}); "
+                         f"tail {c.get('hedged_roots')}, hits past a branch's first token "
+                         f"{c.get('deep_hits')}); "
                          f"prompts restored from the draft's prompt cache "
                          f"{c.get('cache_hits')} ({c.get('cache_tokens')} prefill tokens "
                          "spared)"

@@ -50,11 +50,6 @@ class DraftStats:
     lookup_misses: int = 0  # pre-draft misses served their lookup draft, no draft on the spot
     hedged_roots: int = 0  # pre-drafts rooted where a served lookup copy parts from the model
     deep_hits: int = 0  # hits on a branch the context follows for more than its first token
-    # pre-drafts rooted where a copy parts from the model: after it, no branch fitted the step
-    shorter_roots: int = 0
-    # hedges: branches rooted before a served model token, on the draft's runner-up there
-    hedges: int = 0
-    hedge_hits: int = 0  # hits on a hedge (the target turned the token down for it)
     # the prompt cache: slots restored from it, prefill tokens spared, failed restores
     cache_hits: int = 0
     cache_tokens: int = 0
@@ -98,9 +93,6 @@ class DraftStats:
             "lookup_misses": self.lookup_misses,
             "hedged_roots": self.hedged_roots,
             "deep_hits": self.deep_hits,
-            "shorter_roots": self.shorter_roots,
-            "hedges": self.hedges,
-            "hedge_hits": self.hedge_hits,
             "cache_hits": self.cache_hits,
             "cache_tokens": self.cache_tokens,
             "cache_failures": self.cache_failures,

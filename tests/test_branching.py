@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from duo_vllm.draft.branching import (
-    Branch, Tree, branch_candidates, miss_reason, runner_up, select_branch, split_budget,
+    Branch, Tree, branch_candidates, miss_reason, select_branch, split_budget,
     top_candidates,
 )
 
@@ -79,29 +79,3 @@ def test_select_branch_follows_a_branch_for_several_tokens_with_one_left_to_serv
     assert select_branch(tree, np.array([1, 2, 5, 6, 7])) is None  # nothing left
     assert select_branch(tree, np.array([1, 2, 5, 9])) is None  # off the branch
     assert select_branch(tree, np.array([1, 2, 8])).seq_id == 4  # as before
-
-
-def test_runner_up_is_the_best_other_token_with_both_probabilities():
-    lg = logits_for({3: 0.5, 7: 0.3, 9: 0.1})
-    alt, p_alt, p_chosen = runner_up(lg, 3)
-    assert (alt, p_chosen) == (7, pytest.approx(0.5)) and p_alt == pytest.approx(0.3)
-    # a sampled token that is not the argmax: the argmax is its runner-up
-    alt, p_alt, p_chosen = runner_up(lg, 7)
-    assert alt == 3 and p_alt == pytest.approx(0.5) and p_chosen == pytest.approx(0.3)
-    alt, _, p_chosen = runner_up(lg, 9)  # below the top 2: its probability unknown here
-    assert alt == 3 and p_chosen == 0.0
-
-
-def test_a_hedge_continues_the_prefix_up_to_its_root_with_the_runner_up():
-    """A hedge rooted before the prefix's token at 3 (5): reached when the target turns
-    that token down for the hedge's first (6); the main branch when it accepts it all."""
-    tree = Tree(np.array([1, 2, 3, 5, 8]),
-                [Branch([7, 9], 0.6, 0), Branch([6, 4, 2], 0.2, 5, root=3)])
-    assert tree.root_of(tree.branches[0]) == 5 and tree.root_of(tree.branches[1]) == 3
-    assert select_branch(tree, np.array([1, 2, 3, 6])).seq_id == 5  # 4, 2 to serve
-    assert select_branch(tree, np.array([1, 2, 3, 6, 4])).seq_id == 5  # along it: 2 left
-    assert select_branch(tree, np.array([1, 2, 3, 5, 8, 7])).seq_id == 0
-    assert select_branch(tree, np.array([1, 2, 3, 4])) is None  # another token there
-    assert select_branch(tree, np.array([1, 2, 3, 5, 6])) is None  # turned down later
-    assert select_branch(tree, np.array([1, 9, 3, 6])) is None  # not the hedge's root
-    assert miss_reason(tree, np.array([1, 2, 3, 4])) == "rejected"

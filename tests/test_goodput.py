@@ -4,8 +4,7 @@ import pytest
 
 from duo_vllm.control.goodput import (
     Acceptance, DraftTimeModel, StepTimeModel, TargetCost, catch_up_pays, expected_accepted,
-    hedge_probs, plan_predraft,
-    plan_served, plan_sync, predraft_roots, predraft_time, regime, token_alphas,
+    plan_predraft, plan_served, plan_sync, predraft_root, predraft_time, regime, token_alphas,
 )
 
 
@@ -121,46 +120,6 @@ def test_predraft_fits_the_target_step_and_favours_likely_hits():
     assert plan_predraft([0.9], [0.8], [4], [1], 1.0, d, min_gain=0.95) == [0]
     # no time at all: nothing
     assert plan_predraft([0.9], [0.8], [4], [1], 0.005, d, min_gain=0.0) == [0]
-
-
-def test_hedge_probabilities_read_like_the_equation():
-    # P(c_j) = α^j (1 - α) min(1, q(c_j) / (1 - q(d_j)))
-    a = 0.7
-    probs = hedge_probs(a, [(11, 0.2, 0.6), None, (13, 0.3, 0.6), (14, 0.5, 0.5)])
-    assert probs[0] == pytest.approx(0.3 * 0.2 / 0.4)
-    assert probs[1] == 0.0  # no runner-up kept there
-    assert probs[2] == pytest.approx(a ** 2 * 0.3 * 0.3 / 0.4)
-    assert probs[3] == pytest.approx(a ** 3 * 0.3)  # all the leftover mass: capped at 1
-    # a confident draft hedges little: the target rarely turns its token down
-    assert hedge_probs(0.95, [(11, 0.2, 0.6)])[0] < probs[0]
-
-
-def test_a_hedge_has_no_catch_up_and_joins_the_first_level():
-    d = per_call(10.0, 5.0)
-    # a root (catch-up 1) 2 deep and a hedge 1 deep: catch-up 10, level 1 of width 2
-    # (15), level 2 of width 1 (10)
-    assert predraft_time([2, 1], [1, 0], d) == pytest.approx(0.035)
-    assert predraft_time([0, 1], [1, 0], d) == pytest.approx(0.010)  # the hedge alone
-
-
-def test_the_pre_draft_hedges_where_the_target_likely_turns_a_token_down():
-    """An unsure request: its root after the whole draft is reached 40% of the time
-    (its first branch token then taken 60%: .24), a hedge on the runner-up of the
-    draft's first token 30% of the time. Once the root's first level is planned
-    (.24 · .6 = .144, 20 ms), the hedge's tokens (.18, then .108, each 5-10 ms more)
-    beat the root's second (.086, 10 ms): within 36 ms, the root 1 deep and the
-    hedge 2. A confident request (the root .81, a hedge 4%) spends it on the root."""
-    d = per_call(10.0, 5.0)
-    plan = plan_predraft([0.6, 0.6], [0.4 * 0.6, 0.3], [4, 4], [1, 0], 0.036, d,
-                         min_gain=0.05, owners=[None, 0])
-    assert plan == [1, 2]
-    assert predraft_time(plan, [1, 0], d) == pytest.approx(0.035)
-    plan = plan_predraft([0.9, 0.9], [0.9 * 0.9, 0.04], [4, 4], [1, 0], 0.036, d,
-                         min_gain=0.05, owners=[None, 0])
-    assert plan == [2, 0]
-    # a hedge rides on its request's pre-draft: with no room for that, none
-    assert plan_predraft([0.6, 0.6], [0.24, 0.3], [4, 4], [1, 0], 0.015, d,
-                         min_gain=0.05, owners=[None, 0]) == [0, 0]
 
 
 def test_step_time_model_recovers_a_linear_cost():
@@ -293,11 +252,6 @@ def test_a_catch_up_pays_only_well_within_what_is_left_of_the_request():
     assert not catch_up_pays(1, 0.010, 0, 0.15) and catch_up_pays(0, 0.010, 0, 0.15)
 
 
-def predraft_root(*args, **kw):
-    """The likelier root (what the drafter plans where both fit the step)."""
-    return predraft_roots(*args, **kw)[0]
-
-
 def test_the_pre_draft_is_rooted_where_the_next_step_likelier_starts():
     # a weak copied tail (α_l 0.4) after 2 tokens the model drafted: rooted where it parts
     n, p = predraft_root(5, 2, 0.9, 0.4)
@@ -305,24 +259,12 @@ def test_the_pre_draft_is_rooted_where_the_next_step_likelier_starts():
     # a strong one (α_l 0.95): after the whole draft, as the chance all of it is accepted
     n, p = predraft_root(5, 2, 0.9, 0.95)
     assert n == 5 and p == pytest.approx(0.81 * 0.95 ** 3)
-    # not hedged (a sampled request): after the whole draft, however weak the copy
-    assert predraft_root(5, 2, 0.9, 0.4, hedge=False) == (5, pytest.approx(0.81 * 0.4 ** 3))
+    # a sampled request: after the whole draft, however weak the copy
+    assert predraft_root(5, 2, 0.9, 0.4, greedy=False) == (5, pytest.approx(0.81 * 0.4 ** 3))
     # the model's own draft, nothing copied: its end
     assert predraft_root(3, 3, 0.8, 0.1) == (3, pytest.approx(0.512))
     # a sure model (α 0.99) and an unsure copy: the model's guess is capped by 1 - α_l
     assert predraft_root(1, 0, 0.99, 0.5)[1] * 0.99 == pytest.approx(0.5)
-
-
-def test_the_other_root_is_offered_second_where_it_is_shorter():
-    # a strong copy: after it first, where it parts second (a shorter catch-up)
-    assert predraft_roots(5, 2, 0.9, 0.95) == [
-        (5, pytest.approx(0.81 * 0.95 ** 3)), (2, pytest.approx(0.81 * 0.05 / 0.9))]
-    # a weak copy: where it parts first; after it second (a longer one: never taken
-    # for want of time)
-    assert [n for n, _ in predraft_roots(5, 2, 0.9, 0.4)] == [2, 5]
-    # nothing copied, or not hedged: one root
-    assert predraft_roots(3, 3, 0.8, 0.1) == [(3, pytest.approx(0.512))]
-    assert len(predraft_roots(5, 2, 0.9, 0.4, hedge=False)) == 1
 
 
 def test_per_token_alphas_of_a_copy():
@@ -332,8 +274,8 @@ def test_per_token_alphas_of_a_copy():
     assert expected_accepted((0.5, 1.0), 3) == pytest.approx(0.5 + 0.5 + 0.5)
     assert expected_accepted((0.8,), 4) == pytest.approx(expected_accepted(0.8, 4))
     # the copy's tokens after the model's: p_end from its own α there
-    assert predraft_root(4, 2, 0.9, (0.1, 0.2, 0.9, 0.9), hedge=False) == \
+    assert predraft_root(4, 2, 0.9, (0.1, 0.2, 0.9, 0.9), greedy=False) == \
         (4, pytest.approx(0.81 * 0.81))
-    assert predraft_root(4, 2, 0.9, (0.9, 0.9, 0.3, 0.3))[0] == 2  # a weak tail: hedged
-    # weak first copied token, strong at the parting token: not hedged (α[agree], not α[0])
+    assert predraft_root(4, 2, 0.9, (0.9, 0.9, 0.3, 0.3))[0] == 2  # a weak tail: where it parts
+    # weak first copied token, strong at the parting token: its end (α[agree], not α[0])
     assert predraft_root(4, 2, 0.9, (0.1, 0.9, 0.9, 0.9))[0] == 4

@@ -1,19 +1,17 @@
-"""The drafter's own rules: when to prefill, probe, hedge, wait, reuse; pure functions.
+"""The drafter's own rules: when to prefill, probe, wait, reuse; pure functions.
 
 :mod:`duo_vllm.control.goodput` plans how many tokens each request gets;
 the rules here decide the rest of what the drafter does around those plans
 (:mod:`duo_vllm.draft`): which context is prefilled in the background, how
-large a prefill chunk is, when a quiet request is probed, which hedges a
-pre-draft carries, when the background work stops, when an evicted sequence
-is restored. Each takes measured numbers and returns a decision; the
+large a prefill chunk is, when a quiet request is probed, when the
+background work stops, when an evicted sequence is restored. Each takes measured numbers and returns a decision; the
 drafter executes it.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
 
-from duo_vllm.control.goodput import PROBE_EVERY, TargetCost, expected_accepted, hedge_probs
+from duo_vllm.control.goodput import PROBE_EVERY, TargetCost, expected_accepted
 from duo_vllm.sources.lookup import Hint, serve
 
 # priors, until the drafter has measured its own
@@ -28,7 +26,6 @@ MIN_PREFILL_CHUNK = 16  # ... at least, when other requests' pre-drafts wait beh
 CHUNK_STEP_SHARE = 0.4  # of a target step, the most one chunk may take beside decoding requests
 FLOOR_PREFETCH = 4  # after this many steps without drafts, new prompts are not prefilled
 PROBE_CATCH_UP_STEPS = 4  # most target steps of prefill a probe may cost
-MAX_HEDGES = 2  # hedge branches per request and pre-draft, at most
 MIN_RESTORE = 16  # fewest prefill tokens a prompt-cache restore must spare
 
 
@@ -133,29 +130,6 @@ def lookup_fallback(hint: Hint | None) -> tuple[float, int]:
         return 0.0, 0
     draft, _ = serve([], False, hint)
     return expected_accepted(hint.alpha_lookup, len(draft)), len(draft)
-
-
-def hedges_on(predrafts: bool, auto_budget: bool, multi_sequence: bool, n_extra: int) -> bool:
-    """Hedges need the controller's pre-draft and branch sequences to spare; only then is
-    each greedy token's runner-up kept (a vocabulary pass per token)."""
-    return predrafts and auto_budget and multi_sequence and n_extra > 0
-
-
-def pick_hedges(alpha: float, alts: Sequence, room: int) -> list[tuple[float, int]]:
-    """A greedy request's hedges, (p, position) each: the ``room`` likeliest runner-ups of
-    its served draft (:func:`~duo_vllm.control.goodput.hedge_probs`) that may be
-    reached at all, likeliest first."""
-    return sorted(((p, j) for j, p in enumerate(hedge_probs(alpha, alts)) if p > 0),
-                  reverse=True)[:room]
-
-
-def reroot_candidates(depths: Sequence[int], background: Sequence[bool],
-                      has_shorter: Sequence[bool]) -> list[int]:
-    """Rows whose pre-draft is planned again at their shorter root (where a copied tail
-    parts from the model): those planned nothing at the likelier root, caught up, that
-    have one. The plan is taken where it gives any of them a pre-draft."""
-    return [i for i, (m, bg, s) in enumerate(zip(depths, background, has_shorter))
-            if m == 0 and not bg and s]
 
 
 def predraft_deadline(returned_at: float, expected_step_s: float | None,

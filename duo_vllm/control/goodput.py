@@ -179,27 +179,24 @@ def catch_up_pays(tokens: int, prefill_s: float, remaining: int | None,
 
 def predraft_time(depths: Sequence[int], catch_up: Sequence[int],
                   draft_time: Callable[[int], float]) -> float:
-    """Draft time of a pre-draft: one catch-up call, then one call per depth level.
-
-    A ``catch_up`` of 0 is a hedge (:func:`hedge_probs`): nothing of its own to
-    catch up, its first token evaluated in the first level's call."""
+    """Draft time of a pre-draft: one catch-up call, then one call per depth level."""
     live = [i for i, m in enumerate(depths) if m > 0]
     if not live:
         return 0.0
-    width = sum(catch_up[i] for i in live if catch_up[i] > 0)
+    width = sum(catch_up[i] for i in live)
     t = draft_time(width) if width else 0.0
     for level in range(1, max(depths) + 1):
         t += draft_time(sum(1 for m in depths if m >= level))
     return t
 
 
-def predraft_roots(n: int, agree: int, alpha: float, alpha_lookup: float | Sequence[float],
-                   hedge: bool = True) -> list[tuple[int, float]]:
-    """Where the next step's pre-draft may start, likelier first, for a request
-    served ``n`` tokens of which the draft model drafted the first ``agree``
-    itself and a lookup copied the rest (accepted at ``alpha_lookup`` a token,
-    or per token of the copy as :func:`token_alphas` reads it; the model at
-    ``alpha``).
+def predraft_root(n: int, agree: int, alpha: float, alpha_lookup: float | Sequence[float],
+                  greedy: bool = True) -> tuple[int, float]:
+    """Where the next step's pre-draft starts, for a request served ``n`` tokens of
+    which the draft model drafted the first ``agree`` and a lookup copied the rest
+    (accepted at ``alpha_lookup`` a token, or per token as :func:`token_alphas`
+    reads it; the model at ``alpha``): (tokens of the served draft the root holds,
+    the chance the target's tokens reach it).
 
     Rooted after the whole draft, its branches are reached when the target
     accepts all of it; rooted where the copy parts from the model, the model's
@@ -208,65 +205,34 @@ def predraft_roots(n: int, agree: int, alpha: float, alpha_lookup: float | Seque
         p_end  = α^agree · Π α_l,t (t = agree .. n-1)
         p_part = α^agree · min(α, 1 - α_l,agree) / α
 
-    (each times α is the chance the target's next token then starts the top
-    branch). Returns [(tokens of the served draft the root holds, its p), ...]:
-    both roots, the likelier first; the root after the whole draft alone
-    without ``hedge`` (a sampled request's drafts are drawn, not copied) or
-    where nothing was copied. A root after a long copy needs the copy
-    evaluated first (a catch-up call as wide); where that leaves no room for a
-    branch within the target's step, the shorter root is the one that can be
-    ready.
+    The likelier of the two; after the whole draft where nothing was copied, or
+    for a sampled request (not ``greedy``: its drafts are drawn, not copied).
     """
     tail = token_alphas(alpha_lookup, n - agree, agree)
     end = (n, alpha ** agree * math.prod(tail))
-    if not hedge or agree >= n:
-        return [end]
+    if not greedy or agree >= n:
+        return end
     part = (agree, alpha ** agree * min(1.0, (1.0 - token_alphas(alpha_lookup, 1, agree)[0])
                                         / max(alpha, 1e-9)))
-    return [part, end] if part[1] > end[1] else [end, part]
-
-
-def hedge_probs(alpha: float, alts: Sequence[tuple[int, float, float] | None]) -> list[float]:
-    """For a greedy request served the model's draft d₁ … d_n, the chance that the
-    target's token at each position is the draft's runner-up c_j there (``alts[j]``:
-    :func:`duo_vllm.draft.branching.runner_up`, c_j with q(c_j) and q(d_j); None: unknown):
-
-        P(c_j) = α^j · (1 - α) · min(1, q(c_j) / (1 - q(d_j)))
-
-    it accepts d₁ … d_{j-1} (α each), turns d_j down, and its own token is then the
-    runner-up as often as the draft's leftover mass says. A *hedge* rooted before
-    d_j, with c_j as its first token, is reached that often: the first token the
-    pre-draft adds to it is worth P(c_j) · α, as a root's first is worth p · α."""
-    out = []
-    for j, alt in enumerate(alts):
-        if alt is None:
-            out.append(0.0)
-            continue
-        _, q_c, q_d = alt
-        out.append(alpha ** j * (1 - alpha) * min(1.0, q_c / max(1e-9, 1 - q_d)))
-    return out
+    return part if part[1] > end[1] else end
 
 
 def plan_predraft(alphas: Sequence[float], hit_probs: Sequence[float], caps: Sequence[int],
                   catch_up: Sequence[int], budget_s: float,
-                  draft_time: Callable[[int], float], min_gain: float,
-                  owners: Sequence[int | None] | None = None) -> list[int]:
+                  draft_time: Callable[[int], float], min_gain: float) -> list[int]:
     """Depth of each request's pre-draft, to be ready when the target's step ends.
 
     The j-th pre-drafted token of request i is worth p_i · α_iʲ (``p_i``: the
     chance the pre-draft is used at all). Greedy by worth per second of draft
     time, within ``budget_s`` (the target's expected step); a token worth less
     than ``min_gain`` would not be served (:func:`pays`), so it is not drafted.
-    A hedge (``catch_up`` 0, :func:`hedge_probs`) rides on the pre-draft of the
-    entry ``owners[i]`` names: it is drafted only once that one is.
     """
     m = [0] * len(alphas)
-    owners = owners or [None] * len(alphas)
     spent = 0.0
     while True:
         best, best_score, best_t = -1, 0.0, 0.0
         for i, (a, p, cap) in enumerate(zip(alphas, hit_probs, caps)):
-            if m[i] >= cap or (owners[i] is not None and m[owners[i]] == 0):
+            if m[i] >= cap:
                 continue
             worth = p * a ** (m[i] + 1)
             if worth <= min_gain:

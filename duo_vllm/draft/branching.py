@@ -8,8 +8,6 @@
 * :func:`split_budget`: share a token budget among branches.
 * how many tokens to draft at all is the goodput controller's
   (:mod:`duo_vllm.control.goodput`).
-* :func:`runner_up`: the draft's second choice where it drafted a token (a
-  hedge's first token, should the target turn the draft's down).
 * :func:`select_branch`: given the context the target produced, which
   pre-drafted branch (if any) continues it.
 """
@@ -65,15 +63,6 @@ def branch_candidates(top_ids: np.ndarray, top_probs: np.ndarray, p2_top: float,
     return chosen
 
 
-def runner_up(logits: np.ndarray, chosen: int) -> tuple[int, float, float]:
-    """(the draft's best token other than ``chosen``, its probability, ``chosen``'s)."""
-    ids, probs = top_candidates(logits, 2)
-    if int(ids[0]) == chosen:
-        return int(ids[1]), float(probs[1]), float(probs[0])
-    p_chosen = float(probs[1]) if int(ids[1]) == chosen else 0.0  # below the top 2
-    return int(ids[0]), float(probs[0]), p_chosen
-
-
 def split_budget(total: int, weights: list[float], cap: int, alpha: float = 0.8) -> list[int]:
     """Share ``total`` draft evaluations among branches, by expected accepted tokens.
 
@@ -96,12 +85,8 @@ def split_budget(total: int, weights: list[float], cap: int, alpha: float = 0.8)
 
 @dataclass
 class Branch:
-    """A pre-drafted continuation: ``tokens[0]`` is the candidate for the target's next token.
-
-    It continues its tree's prefix, or (a *hedge*) the first ``root`` tokens of it:
-    there ``tokens[0]`` is the draft's runner-up to the prefix's own token at
-    ``root``, ready for the target turning that token down.
-    """
+    """A pre-drafted continuation of its tree's prefix: ``tokens[0]`` is the candidate
+    for the target's next token."""
 
     tokens: list[int]
     prob: float
@@ -109,15 +94,6 @@ class Branch:
     # each draft token's q (duo_vllm/draft/sampling.py), aligned with tokens[1:]; None where
     # it was the argmax (greedy)
     q: list = field(default_factory=list)
-    root: int | None = None  # the tree prefix's tokens it continues (None: all)
-    # each greedy draft token's runner_up(), aligned with tokens[1:] (None: not kept)
-    alts: list = field(default_factory=list)
-
-    def served_alts(self, n: int, start: int = 0) -> list:
-        """The runner_up() of ``n`` draft tokens from ``tokens[1 + start]`` on (None where
-        not kept)."""
-        alts = self.alts[start:start + n]
-        return alts + [None] * (n - len(alts))
 
     def drawn(self, n: int, start: int = 0) -> list | None:
         """The q of ``n`` draft tokens from ``tokens[1 + start]`` on, if each was drawn."""
@@ -131,10 +107,6 @@ class Tree:
 
     prefix: np.ndarray  # the context assuming the last draft is fully accepted
     branches: list[Branch] = field(default_factory=list)
-
-    def root_of(self, branch: Branch) -> int:
-        """The length of the context ``branch`` continues."""
-        return len(self.prefix) if branch.root is None else branch.root
 
 
 def accepted_whole(tree: Tree, context: np.ndarray) -> bool:
@@ -155,24 +127,20 @@ def miss_reason(tree: Tree | None, context: np.ndarray) -> str:
 def select_branch(tree: Tree | None, context: np.ndarray) -> Branch | None:
     """The branch that continues ``context``, if the pre-draft foresaw it.
 
-    It does when ``context`` is the branch's root (the tree's prefix, or a hedge's
-    part of it) followed by the start of the branch: its first token (the target
-    accepted the whole draft the tree continues and sampled one more,
-    :func:`accepted_whole`; or, for a hedge, turned the prefix's token at the root
-    down for the draft's runner-up), or several of its tokens with one left to
-    serve (a tree rooted inside the draft served, where the target was likely to
-    leave a copied tail: the served tokens it accepted and its own next one follow
-    the branch).
+    It does when ``context`` is the tree's prefix followed by the start of the
+    branch: its first token (the target accepted the whole draft the tree
+    continues and sampled one more, :func:`accepted_whole`), or several of its
+    tokens with one left to serve (a tree rooted inside the draft served: the
+    served tokens the target accepted and its own next one follow the branch).
     """
     if tree is None:
         return None
-    same = common_prefix_len(context, tree.prefix)  # the context's tokens the prefix holds
+    root = len(tree.prefix)
+    follow = len(context) - root
+    if follow < 1 or common_prefix_len(context, tree.prefix) < root:
+        return None
+    tail = [int(t) for t in context[root:]]
     for br in tree.branches:
-        root = tree.root_of(br)
-        follow = len(context) - root
-        if follow < 1 or same < root:
-            continue
-        tail = [int(t) for t in context[root:]]
         if br.tokens[:follow] == tail and (follow == 1 or len(br.tokens) > follow):
             return br
     return None

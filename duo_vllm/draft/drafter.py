@@ -29,9 +29,9 @@ from duo_vllm.control.drafting import (
     prefill_in_background, probe_due, sync_catch_up,
 )
 from duo_vllm.control.goodput import (
-    TargetCost, expected_accepted, plan_served, plan_sync, predraft_roots, regime,
+    TargetCost, expected_accepted, plan_served, plan_sync, predraft_root, regime,
 )
-from duo_vllm.draft.branching import Branch, Tree, miss_reason, runner_up, select_branch
+from duo_vllm.draft.branching import Branch, Tree, miss_reason, select_branch
 from duo_vllm.draft.predraft import Predrafter
 from duo_vllm.draft.sequences import DraftPolicy
 from duo_vllm.draft.slots import Slot, common_prefix_len
@@ -60,7 +60,7 @@ class _Row:
     @property
     def follow(self) -> int:
         """Tokens of its branch the context already holds (a hit; 1 otherwise)."""
-        return len(self.ctx) - self.tree.root_of(self.branch) if self.branch is not None else 1
+        return len(self.ctx) - len(self.tree.prefix) if self.branch is not None else 1
 
     @property
     def available(self) -> int:
@@ -108,17 +108,14 @@ class DuoDrafter(Predrafter):
             [float(x) for x in step.temperatures]
         out: list[list[int]] = [[] for _ in contexts]
         qs: dict = {}  # row -> the q of each token of its draft, where all were drawn
-        alts: dict = {}  # row -> each token of its draft's runner_up() (greedy rows)
         rows = self._rows(contexts, step.budgets, temps, serve, step.remaining)
         hits = [r for r in rows if r.branch is not None]
         misses = [r for r in rows if r.branch is None and not r.background]
         served, (chosen, extend, depth) = self._plan_step(len(contexts), hits, misses, cost,
                                                           hints)
         for r, n in zip(hits, served):
-            out[r.row], qs[r.row], alts[r.row] = self._take_branch(r.slot, r.tree, r.branch, n,
-                                                                   r.follow)
+            out[r.row], qs[r.row] = self._take_branch(r.slot, r.tree, r.branch, n, r.follow)
             st.deep_hits += r.follow > 1
-            st.hedge_hits += r.branch.root is not None
             st.predraft_hits += 1
             if not r.available:  # its branch holds the target's token only: nothing to serve
                 st.misses["shallow"] += 1
@@ -133,7 +130,7 @@ class DuoDrafter(Predrafter):
             roots = {r.row: r.ctx for r in chosen}
             roots.update({r.row: np.concatenate([r.ctx, np.asarray(out[r.row], dtype=np.int32)])
                           for r in extend})
-            self._draft_chains(chains, roots, out, qs, alts)
+            self._draft_chains(chains, roots, out, qs)
             st.sync_s += time.perf_counter() - t_sync
             st.sync_calls += 1
             st.extended += len(extend)
@@ -149,25 +146,19 @@ class DuoDrafter(Predrafter):
         drafted = any(out[r.row] for r in rows)
         st.floor_steps += asked and not drafted
         self.floor_streak = floor_streak_after(self.floor_streak, asked, drafted)
-        served, p_served, shorter = self._served(rows, out, hints, self.last_q)
+        served, p_served = self._served(rows, out, hints, self.last_q)
         self.expected_step_s = cost.step(sum(len(d) for d in served))
-        # the runner-ups of the model's tokens served, where a hedge may root
-        model_alts = {r.row: alts[r.row][:common_prefix_len(np.asarray(served[r.row]),
-                                                            np.asarray(out[r.row]))]
-                      for r in rows if r.row in alts and r.temperature < 1e-5}
-        self._plan_jobs(rows, served, p_served, cost, len(contexts), shorter, model_alts)
+        self._plan_jobs(rows, served, p_served, cost, len(contexts))
         st.busy_s += time.perf_counter() - t0
         return out
 
     def _served(self, rows: list[_Row], out, hints, qs):
         """What the proposer will serve per row, and where the next step most likely
         starts: per row, the tokens of the served draft the pre-draft's root holds
-        and the chance the target's tokens reach that root; and, where the root is
-        after a copied tail, the root where the copy parts from the model (a
-        shorter catch-up, for a step too short for the other)."""
+        and the chance the target's tokens reach that root
+        (:func:`~duo_vllm.control.goodput.predraft_root`)."""
         served = list(out)
         p_all = {r.row: (len(out[r.row]), r.alpha ** len(out[r.row])) for r in rows}
-        shorter = {}
         for r in rows:
             hint = _hint(hints, r.row)
             if hint is None or not hint.tokens:
@@ -177,13 +168,10 @@ class DuoDrafter(Predrafter):
                 agree = common_prefix_len(np.asarray(draft, dtype=np.int32),
                                           np.asarray(out[r.row], dtype=np.int32))
                 served[r.row] = list(draft)
-                roots = predraft_roots(len(draft), agree, r.alpha, hint.alpha_lookup,
-                                       hedge=r.temperature < 1e-5)
-                p_all[r.row] = roots[0]
-                if len(roots) > 1 and roots[1][0] < roots[0][0]:
-                    shorter[r.row] = roots[1]
+                p_all[r.row] = predraft_root(len(draft), agree, r.alpha, hint.alpha_lookup,
+                                             greedy=r.temperature < 1e-5)
                 self.stats.lookup_predrafts += 1
-        return served, p_all, shorter
+        return served, p_all
 
     def _rows(self, contexts, max_tokens, temps, serve: bool, remaining=None) -> list[_Row]:
         """Match each request to its slot; find its pre-drafted branch, or what it lacks."""
@@ -280,9 +268,9 @@ class DuoDrafter(Predrafter):
 
     def _take_branch(self, slot, tree: Tree, branch: Branch, n: int, follow: int = 1):
         """Adopt a pre-drafted branch as the request's sequence; return ``n`` draft
-        tokens after the ``follow`` the context holds, their q (None unless each
-        was drawn) and their runner_up()."""
-        pos_b = tree.root_of(branch)
+        tokens after the ``follow`` the context holds and their q (None unless each
+        was drawn)."""
+        pos_b = len(tree.prefix)
         if branch.seq_id != slot.seq_id:
             self.backend.remove(slot.seq_id, pos_b, -1)
             self.backend.copy(branch.seq_id, slot.seq_id, pos_b, -1)
@@ -290,13 +278,12 @@ class DuoDrafter(Predrafter):
         slot.tokens = np.concatenate([tree.prefix[:pos_b], np.asarray(evaluated, dtype=np.int32)])
         self._clear_tree(slot.seq_id)
         draft = list(branch.tokens[follow:follow + n])
-        return (draft, branch.drawn(len(draft), follow - 1),
-                branch.served_alts(len(draft), follow - 1))
+        return draft, branch.drawn(len(draft), follow - 1)
 
-    def _draft_chains(self, misses, contexts: dict, out, qs: dict, alts: dict) -> None:
+    def _draft_chains(self, misses, contexts: dict, out, qs: dict) -> None:
         """Chains from the real contexts (by row, as the slots hold them), all requests
         decoded together: (row, slot, length, temperature) each; the drawn tokens' q
-        go to ``qs``, greedy tokens' runner_up() to ``alts``."""
+        go to ``qs``."""
         live, items = [], []
         for row, slot, n, temp in misses:
             ctx = contexts[row]
@@ -305,8 +292,8 @@ class DuoDrafter(Predrafter):
             self.stats.prefill_tokens += len(ctx) - keep
             slot.tokens = ctx
             live.append([row, slot, n, temp])
-            if not out[row]:  # a hit's served branch keeps its q and runner-ups, extended
-                qs[row], alts[row] = [], []
+            if not out[row]:  # a hit's served branch keeps its q, extended
+                qs[row] = []
         try:
             logits, _ = self._decode(items)
             while live:
@@ -315,8 +302,6 @@ class DuoDrafter(Predrafter):
                     tok, q = self._next_token(lg, temp)
                     out[row].append(tok)
                     qs[row] = None if qs[row] is None or q is None else qs[row] + [q]
-                    alts[row].append(runner_up(lg, tok) if self.hedging and temp < 1e-5
-                                     else None)
                     if len(out[row]) < n:
                         tok = out[row][-1]
                         nxt_items.append((slot.seq_id, np.array([tok], dtype=np.int32),
@@ -331,7 +316,7 @@ class DuoDrafter(Predrafter):
         except Exception:
             self._recover([slot for _, slot, _, _ in misses])
             for row, _, _, _ in misses:
-                out[row], qs[row], alts[row] = [], None, []
+                out[row], qs[row] = [], None
 
 
 def _hint(hints: list[Hint | None] | None, row: int) -> Hint | None:

@@ -4,8 +4,7 @@ After a step, :meth:`Predrafter._plan_jobs` queues a job per request the
 controller plans a pre-draft for (:func:`~duo_vllm.control.goodput.plan_predraft`):
 from the root the next step most likely starts at (the context and what this
 step serves), one branch per likely candidate for the token the target
-samples there (DuoDecoding's dynamic multi-sequence drafting), and hedges on
-the draft's runner-ups where the target may turn a served token down.
+samples there (DuoDecoding's dynamic multi-sequence drafting).
 :meth:`Predrafter.predraft` runs the jobs on the background thread and stops
 between decode calls when the next step arrives or its deadline nears.
 Prompts vLLM is about to prefill (:meth:`Predrafter.prefetch`) are
@@ -16,15 +15,14 @@ never waits behind another's prompt.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from duo_vllm.control.drafting import (
-    MAX_HEDGES, PRIOR_STEP_S, call_overruns, needs_prefill, pick_hedges, predraft_catch_up,
-    predraft_deadline, prefill_chunk, prefills_prompts, probe_affordable, probe_due, prompt_depth,
-    reroot_candidates,
+    PRIOR_STEP_S, call_overruns, needs_prefill, predraft_catch_up, predraft_deadline,
+    prefill_chunk, prefills_prompts, probe_affordable, probe_due, prompt_depth,
 )
 from duo_vllm.control.goodput import TargetCost, catch_up_pays, plan_predraft, regime
 from duo_vllm.draft.branching import Branch, Tree, branch_candidates, split_budget, top_candidates
@@ -41,9 +39,6 @@ class _Job:
     prefix: np.ndarray  # context + the draft just returned
     evals: int  # draft tokens the pre-draft grows for this request (its planned depth)
     temperature: float = 0.0
-    # (root, token, p, evals) each: a branch on the draft's runner-up ``token`` after
-    # ``prefix[:root]``, reached with probability p (goodput.hedge_probs), ``evals`` deep
-    hedges: list = field(default_factory=list)
 
 
 class Predrafter(DraftSequences):
@@ -84,69 +79,32 @@ class Predrafter(DraftSequences):
         return queued
 
     def _plan_jobs(self, rows: list[_Row], out, p_served: dict, cost: TargetCost,
-                   batch: int, shorter: dict | None = None, alts: dict | None = None) -> None:
+                   batch: int) -> None:
         """The next step's pre-draft: which requests, how deep (the controller's plan).
 
         ``out`` is what each row is served this step; ``p_served`` per row the
         tokens of it the pre-draft's root holds and the chance the target's
-        tokens reach that root (the branches continue it); ``shorter`` per row
-        whose root is after a copied tail, the root where the copy parts from
-        the model: taken where the first leaves no branch room in the step (a
-        catch-up of the whole copy and one level outlast it), so the next step
-        finds a tree for the likelier of the other outcomes rather than none.
-        ``alts`` per greedy row the runner_up() of each model token it is served:
-        where the target may turn one down, a hedge (a branch on the runner-up,
-        rooted before that token) competes for the step's draft time with the
-        roots' branches, by the same worth per second.
+        tokens reach that root (the branches continue it).
         """
         self.jobs = []
         self.planned = set()  # slots with a pre-draft queued for the next step
         policy = self.policy
         if not policy.predrafts:
             return
-        shorter = shorter or {}
         rows = [r for r in rows if len(r.ctx) + len(out[r.row]) + 2 < self.n_ctx]
-        planned_hedges = [[] for _ in rows]
         roots = [p_served[r.row] for r in rows]
-
-        def prefix(r, root):  # the root: the context and the served draft, or a part of it
-            return np.concatenate([r.ctx, np.asarray(out[r.row][:root[0]], dtype=np.int32)])
-
-        prefixes = [prefix(r, root) for r, root in zip(rows, roots)]
+        # the root: the context and the served draft, or a part of it
+        prefixes = [np.concatenate([r.ctx, np.asarray(out[r.row][:root[0]], dtype=np.int32)])
+                    for r, root in zip(rows, roots)]
         if policy.budget is not None:
             depths = [policy.budget] * len(rows)
         else:
-            def plan(prefixes, roots, hedges=()):
-                catch_up = [predraft_catch_up(len(p) - common_prefix_len(r.slot.tokens, p),
-                                              r.background) for r, p in zip(rows, prefixes)]
-                of = [rows[i] for i, _, _, _ in hedges]  # a hedge: no catch-up of its own
-                return plan_predraft([r.alpha for r in rows + of],
-                                     [root[1] * r.alpha for r, root in zip(rows, roots)]
-                                     + [p for *_, p in hedges],
-                                     [r.k for r in rows + of], catch_up + [0] * len(hedges),
-                                     self.expected_step_s, self.draft_time,
-                                     min_gain=cost.threshold(batch),
-                                     owners=[None] * len(rows) + [i for i, *_ in hedges])
-
-            depths = plan(prefixes, roots)
-            swap = reroot_candidates(depths, [r.background for r in rows],
-                                     [r.row in shorter for r in rows])
-            if swap:
-                alt_roots, alt_prefixes = list(roots), list(prefixes)
-                for i in swap:
-                    alt_roots[i] = shorter[rows[i].row]
-                    alt_prefixes[i] = prefix(rows[i], alt_roots[i])
-                alt = plan(alt_prefixes, alt_roots)
-                if any(alt[i] for i in swap):
-                    depths, prefixes, roots = alt, alt_prefixes, alt_roots
-                    self.stats.shorter_roots += sum(1 for i in swap if alt[i])
-            hedges = self._hedges(rows, roots, alts or {})
-            if hedges:
-                both = plan(prefixes, roots, hedges)
-                depths = both[:len(rows)]
-                for (i, root, tok, p), m in zip(hedges, both[len(rows):]):
-                    if m and depths[i]:  # a hedge rides on its request's pre-draft
-                        planned_hedges[i].append((len(rows[i].ctx) + root, tok, p, m))
+            catch_up = [predraft_catch_up(len(p) - common_prefix_len(r.slot.tokens, p),
+                                          r.background) for r, p in zip(rows, prefixes)]
+            depths = plan_predraft([r.alpha for r in rows],
+                                   [root[1] * r.alpha for r, root in zip(rows, roots)],
+                                   [r.k for r in rows], catch_up, self.expected_step_s,
+                                   self.draft_time, min_gain=cost.threshold(batch))
             prefill_s = self._prefill_token_s()
             for i, r in enumerate(rows):
                 if depths[i] == 0 and probe_due(self.quiet.get(r.slot.seq_id, 0)) \
@@ -159,26 +117,11 @@ class Predrafter(DraftSequences):
                         r.catch_up, prefill_s, r.remaining, cost.t0):
                     depths[i] = 0
                     self.stats.short_lived += 1
-        for r, p, m, h in zip(rows, prefixes, depths, planned_hedges):
+        for r, p, m in zip(rows, prefixes, depths):
             if m > 0:  # a request planned no draft is not even caught up
-                self.jobs.append(_Job(r.slot.seq_id, p, m, r.temperature, h))
+                self.jobs.append(_Job(r.slot.seq_id, p, m, r.temperature))
                 self.stats.hedged_roots += len(p) < len(r.ctx) + len(out[r.row])
-                self.stats.hedges += len(h)
         self.planned = {job.slot_id for job in self.jobs}
-
-    def _hedges(self, rows: list[_Row], roots, alts: dict) -> list[tuple[int, int, int, float]]:
-        """Hedge candidates, (row index, served tokens before it, runner-up, p) each: per
-        greedy request caught up, at most ``MAX_HEDGES`` (and branch sequences to spare),
-        the likeliest, at model tokens its root holds."""
-        out = []
-        room = min(MAX_HEDGES, self.n_extra) if self.hedging else 0
-        for i, (r, root) in enumerate(zip(rows, roots)):
-            a = alts.get(r.row)
-            if not a or not room or r.background:
-                continue
-            a = a[:root[0]]
-            out += [(i, j, a[j][0], p) for p, j in pick_hedges(r.alpha, a, room)]
-        return out
 
     # -- ahead of time, while vLLM verifies ------------------------------------
     def deadline_after(self, returned_at: float) -> float | None:
@@ -281,35 +224,21 @@ class Predrafter(DraftSequences):
         jobs, slots, trees, tops = ([x[i] for i in grow] for x in (jobs, slots, trees, tops))
         if not jobs:
             return
-        if stop(len(jobs) + sum(len(job.hedges) for job in jobs)):
+        if stop(len(jobs)):
             st.interrupted += 1
             return
-        # 2. evaluate the top-1 candidate: its successor, and p2 for the θ rule; and each
-        #    hedge's first token (the branch sequences after the θ rule's are theirs)
+        # 2. evaluate the top-1 candidate: its successor, and p2 for the θ rule
         items = [(slot.seq_id, np.array(tree.branches[0].tokens, dtype=np.int32),
                   len(tree.prefix)) for slot, tree in zip(slots, trees)]
-        hedges = []
-        for job, slot in zip(jobs, slots):
-            mine = []
-            for h, (root, tok, p, evals) in enumerate(job.hedges):
-                seq = self._branch_seq(slot.seq_id, self.n_extra - h)
-                self.backend.remove(seq, 0, -1)
-                self.backend.copy(slot.seq_id, seq, 0, root)
-                mine.append((Branch([tok], p, seq, root=root), evals))
-                items.append((seq, np.array([tok], dtype=np.int32), root))
-            hedges.append(mine)
         logits, n = self._decode(items)
         st.predraft_tokens += n
-        hedge_logits = iter(logits[len(jobs):])
         evals_left = []
-        for job, slot, tree, (ids, probs), lg, mine in zip(jobs, slots, trees, tops, logits,
-                                                            hedges):
+        for job, slot, tree, (ids, probs), lg in zip(jobs, slots, trees, tops, logits):
             main = tree.branches[0]
             slot.tokens = np.append(slot.tokens, np.int32(main.tokens[0]))
             if policy.multi_sequence and self.n_extra:
                 p2_ids, p2_probs = top_candidates(_tempered(lg, job.temperature), 1)
-                first = branch_candidates(ids, probs, float(p2_probs[0]),
-                                          policy.max_branches - len(mine))
+                first = branch_candidates(ids, probs, float(p2_probs[0]), policy.max_branches)
             else:
                 first = [main.tokens[0]]
             self._extend(main, lg, job.temperature)
@@ -328,10 +257,6 @@ class Predrafter(DraftSequences):
                 tree.branches.append(Branch([tok], w, seq))
                 left.append(a)
             st.branch_counts[len(tree.branches)] += 1
-            for br, evals in mine:
-                self._extend(br, next(hedge_logits), job.temperature)
-                tree.branches.append(br)
-                left.append(evals - 1)
             evals_left.append(left)
         # 3. extend every branch greedily, all branches of all requests in one decode
         while True:
@@ -340,7 +265,7 @@ class Predrafter(DraftSequences):
                 for j, br in enumerate(tree.branches):
                     if left[j] <= 0:
                         continue
-                    pos = tree.root_of(br) + len(br.tokens) - 1
+                    pos = len(tree.prefix) + len(br.tokens) - 1
                     if pos + 2 >= self.n_ctx:
                         left[j] = 0
                         continue

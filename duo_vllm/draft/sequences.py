@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from duo_vllm.control.drafting import PRIOR_PREFILL_S, assumed_cost, hedges_on, restore_pays
+from duo_vllm.control.drafting import PRIOR_PREFILL_S, assumed_cost, restore_pays
 from duo_vllm.control.goodput import Acceptance, DraftTimeModel, TargetCost
-from duo_vllm.draft.branching import Branch, Tree, runner_up
+from duo_vllm.draft.branching import Branch, Tree
 from duo_vllm.draft.prompt_cache import PromptCache
 from duo_vllm.draft.sampling import draft_q, sample_q
 from duo_vllm.draft.slots import (
@@ -64,8 +64,6 @@ class DraftSequences:
         self.last_q: list = []  # each row's q of its last draft (None: not drawn)
         self.pool = SlotPool(max_sequences, window=pool_window(window, n_ctx))
         self.n_extra = max(policy.max_branches - 1, 0)
-        self.hedging = hedges_on(policy.predrafts, policy.budget is None, policy.multi_sequence,
-                                 self.n_extra)
         self.trees: dict[int, Tree] = {}
         self.last_draft: dict[int, tuple[int, list[int], str]] = {}
         self.jobs: list = []  # the next step's pre-draft (predraft._Job each)
@@ -143,13 +141,10 @@ class DraftSequences:
         return int(np.argmax(logits)), None
 
     def _extend(self, branch: Branch, logits: np.ndarray, temperature: float) -> None:
-        """Grow ``branch`` by the draft token after its last (and keep its q, or, for a
-        greedy request, its runner_up(), where a hedge may root next step)."""
+        """Grow ``branch`` by the draft token after its last, and keep its q."""
         tok, q = self._next_token(logits, temperature)
         branch.tokens.append(tok)
         branch.q.append(q)
-        branch.alts.append(runner_up(logits, tok) if self.hedging and temperature < 1e-5
-                           else None)
 
     def _sync_slot(self, slot, ctx: np.ndarray) -> int:
         """Make the slot's main sequence hold ``ctx[:keep]``; return keep (< len(ctx))."""
@@ -167,8 +162,7 @@ class DraftSequences:
         for slot in slots:
             self.trees.pop(slot.seq_id, None)
             self.backend.remove(slot.seq_id, 0, -1)
-            # every branch sequence of the slot (what _clear_tree removes, and a hedge's,
-            # which holds its root's copy of the context before it joins the tree)
+            # every branch sequence of the slot, in the tree or not yet
             for j in range(1, self.n_extra + 1):
                 self.backend.remove(self._branch_seq(slot.seq_id, j), 0, -1)
             slot.tokens = np.zeros(0, dtype=np.int32)
