@@ -359,8 +359,7 @@ class DraftTimeModel:
     D is kept non-decreasing in w: a call of w tokens bounds every narrower
     width's estimate. Otherwise a width whose last calls were slow (the
     draft's cold first calls) keeps that estimate for as long as no call of
-    that width runs, and one planned from it may never run again (measured:
-    D(1) 109 ms against 37 ms for two tokens, and pre-drafts left unplanned).
+    that width runs, and one planned from it may never run again.
     """
 
     def __init__(self, prior_s: float = 0.015, weight: float = 0.2):
@@ -402,11 +401,9 @@ class DraftTimeModel:
     def _below(self, width: int, ws: list[int]) -> float:
         """D(w) under the narrowest measured width: along the line through the two
         narrowest, D = a + b·w (a call's fixed cost a, b per token), and never below
-        per token of the narrowest. Only prefill chunks measured (16 and 64 tokens:
-        45 and 146 ms) gave D(1) 13.5 ms that way against 11.2 measured; half of
-        D(16), the rule before, gave 22.6 ms, a step of the target on that VM, and
-        no pre-draft was ever planned, so no narrow call ever corrected it. With
-        one width measured: half of it, at least per token."""
+        per token of the narrowest (with only prefill chunks measured, an estimate
+        too high would plan no pre-draft, so no narrow call would ever correct it).
+        With one width measured: half of it, at least per token."""
         w0 = ws[0]
         d0 = self._by_width[w0]
         per_token = d0 * width / w0
