@@ -4,8 +4,8 @@
 the rules here decide the rest of what the drafter does around those plans
 (:mod:`duo_vllm.draft`): which context is prefilled in the background, how
 large a prefill chunk is, when a quiet request is probed, when the
-background work stops, when an evicted sequence is restored. Each takes measured numbers and returns a decision; the
-drafter executes it.
+background work stops, when an evicted sequence is restored. Each takes
+measured numbers and returns a decision; the drafter executes it.
 """
 
 from __future__ import annotations
