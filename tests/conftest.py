@@ -1,14 +1,7 @@
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.support.engines import run_vllm
 from tests.support.swallowed import SwallowedExceptions
-
-REPO = Path(__file__).resolve().parents[1]
-E2E_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def pytest_configure(config):
@@ -57,35 +50,6 @@ def specbench_chat(tokenizer):
 
     pairs = load_specbench(per_task=2)
     return chat_prompts(tokenizer, [p for _, p in pairs])
-
-
-def run_vllm(tmp_path: Path, name: str, timeout: int = 900, expect_failure: bool = False,
-             **request) -> dict:
-    """Run tests/vllm_runner.py in a subprocess; return its JSON result.
-
-    With ``expect_failure`` the run must fail; its log is returned as ``{"log": ...}``.
-    """
-    request.setdefault("env", dict(E2E_ENV))
-    # eager engines (no torch.compile): the same tokens (greedy output is compared
-    # engine against engine, both eager), about a minute less start-up per engine;
-    # the `vllm serve` tests (tests/test_serve.py) run compiled, as users do
-    request.setdefault("eager", True)
-    req_path, out_path = tmp_path / f"{name}.req.json", tmp_path / f"{name}.out.json"
-    req_path.write_text(json.dumps(request))
-    log_path = tmp_path / f"{name}.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.run([sys.executable, str(REPO / "tests" / "vllm_runner.py"),
-                               str(req_path), str(out_path)], stdout=log,
-                              stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO)
-    if expect_failure:
-        assert proc.returncode != 0, f"vLLM run {name!r} was expected to fail but succeeded"
-        return {"log": log_path.read_text()}
-    if proc.returncode != 0:
-        tail = log_path.read_text()[-6000:]
-        raise AssertionError(f"vLLM run {name!r} failed (rc={proc.returncode}):\n{tail}")
-    result = json.loads(out_path.read_text())
-    result["log"] = log_path.read_text()
-    return result
 
 
 @pytest.fixture(scope="session")

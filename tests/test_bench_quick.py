@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support.engines import REPO
 
 pytestmark = pytest.mark.e2e
 METHODS_RUN = ["plain-1core", "suffix", "duo-full", "duo-lookup-only"]

@@ -22,7 +22,7 @@ import pytest
 
 from benchmarks.server import free_port
 from duo_vllm.cli import speculative_config
-from tests.conftest import E2E_ENV, run_vllm
+from tests.support.engines import E2E_ENV, run_vllm
 
 pytestmark = pytest.mark.e2e
 

@@ -11,7 +11,7 @@ output, so the rejection sampler verified sampled requests against
 uninitialised temperatures (the output was biased toward the draft tokens).
 DuoProposer fixes it at start-up (``duo_vllm/vllm/patches.py``). With the
 bug the bias depended on what the uninitialised memory held, so the control
-is deterministic instead: ``tests/lossy_proposer.py`` drafts like DuoProposer
+is deterministic instead: ``tests/support/lossy_proposer.py`` drafts like DuoProposer
 and makes verification use temperature 0.5 (vLLM's lossy "synthetic"
 rejection method is not supported on CPU); the test must reject it.
 """
@@ -22,7 +22,7 @@ import pytest
 from scipy.stats import chi2_contingency
 
 from duo_vllm.cli import speculative_config
-from tests.conftest import run_vllm
+from tests.support.engines import run_vllm
 from duo_vllm.config import nest_tuning
 
 pytestmark = pytest.mark.e2e
@@ -107,7 +107,7 @@ def test_duo_sampling_matches_plain_distribution(session_tmp, target_dir, plain_
 
 def test_the_distribution_test_catches_a_lossy_proposer(session_tmp, target_dir, plain_samples):
     lossy, out = sample(session_tmp, target_dir, "dist_lossy",
-                        duo_spec("serial", model="lossy_proposer.LossyDuoProposer"))
+                        duo_spec("serial", model="tests.support.lossy_proposer.LossyDuoProposer"))
     assert out["metrics"]["drafts"] >= SAMPLES * len(PROMPTS), out["metrics"]
     pv = p_values(plain_samples, lossy)
     # the decision rule of test_duo_sampling_matches_plain_distribution rejects it

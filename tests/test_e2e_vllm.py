@@ -4,7 +4,7 @@ import pytest
 
 from duo_vllm.cli import speculative_config
 from duo_vllm.config import nest_tuning
-from tests.conftest import E2E_ENV, run_vllm
+from tests.support.engines import E2E_ENV, run_vllm
 
 pytestmark = pytest.mark.e2e
 

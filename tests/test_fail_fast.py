@@ -10,7 +10,7 @@ tests/test_config.py, tests/test_cli.py).
 import pytest
 
 from duo_vllm.cli import speculative_config
-from tests.conftest import run_vllm
+from tests.support.engines import run_vllm
 
 pytestmark = pytest.mark.e2e
 
