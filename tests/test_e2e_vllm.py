@@ -15,6 +15,8 @@ pytestmark = pytest.mark.e2e
 # The bound itself is tested in tests/test_client.py and tests/test_serve.py.
 WAIT = {"propose_timeout_s": 120}
 
+BATCHED = "parallel-multi-batched"
+
 # every switch combination that changes behaviour, each against plain vLLM
 COMBOS = {
     # drafted while vLLM waits: branch trees (multi-sequence) for ten requests at once
@@ -28,7 +30,11 @@ COMBOS = {
     # to others, and the prompt cache gives their draft sequences back
     "parallel-multi-auto": ({"parallel": True, "multi_sequence": True, "budget": "auto",
                              "max_draft_len": 4, "gate": False, "max_sequences": 4}, True),
-    "parallel-multi-auto-batched": ({}, False),  # the defaults, ten requests at once
+    # ten requests at once, pre-drafted branch trees served on a hit: the fixed budget and
+    # no gate make every step ask the draft (at ten requests the verdict rightly starts
+    # on lookups and may never turn the model on; with the auto budget one draft core
+    # drafts little for ten: the equality would then check plain decoding)
+    BATCHED: ({"multi_sequence": True, "budget": 4, "gate": False}, False),
     # (a fixed budget: "serial" here, and pre-drafted branch trees under sampling,
     # tests/test_distribution.py)
     # the target bound to both cores lends core 1 to the draft while it drafts
@@ -63,16 +69,16 @@ def test_greedy_output_equals_plain_vllm(combo, session_tmp, target_dir, specben
         assert got == want, f"{combo}, prompt {i}: DuoProposer output differs from plain vLLM"
     m = duo["metrics"]
     stats = duo["draft_stats"]
-    if combo == "parallel-multi-auto-batched":
-        # Ten new prompts at once (up to ~750 tokens each): the actor prefills them
-        # in the background while vLLM decodes without waiting for it. On one
-        # draft core that prefill (~3000 tokens) outlasts these 64-token answers,
-        # so drafts may never arrive; what must hold is that vLLM never waited on it.
-        assert stats["predraft_tokens"] > 0, stats  # the background prefill ran
-        assert stats["propose_wait_ms"] < 100, stats  # a blocking prefill takes seconds
-        assert stats["prefetched_prompts"] > 0, stats  # heard of before their prefill
-        return
+    # the equality exercised verification: drafts were proposed, and some accepted
     assert m["proposed"] > 0 and m["accepted"] > 0, m
+    if combo == BATCHED:
+        # the draft model's own drafts among them, not only lookup copies
+        assert stats["returned_tokens"] > 0 and stats["predraft_hits"] > 0, stats
+        # ten new prompts handed to the actor before vLLM prefilled them, and prefilled
+        # in the background (that no step waits for such a prefill is checked without
+        # a clock in tests/test_drafter.py, test_worker_never_makes_vllm_wait_...)
+        assert stats["prefetched_prompts"] > 0 and stats["predraft_tokens"] > 0, stats
+        return
     if combo in LOOKUP_K:  # rag and summarization answers quote their prompt: free drafts
         assert stats["lookup_tokens_served"] > 0, stats
         assert stats["lookup_tokens_accepted"] > 0, stats
