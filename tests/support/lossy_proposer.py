@@ -1,9 +1,10 @@
 """A deliberately lossy DuoProposer, the control of tests/test_distribution.py.
 
 Loaded by vLLM as ``tests.support.lossy_proposer.LossyDuoProposer`` (the runner
-puts the repository on its engine's path: tests/support/engines.py). It drafts like DuoProposer, then sabotages verification: the
-rejection sampler's per-token temperatures are all set to 0.5, so drafts are
-judged against a sharper distribution than the one the target samples from.
+puts the repository on its engine's path: tests/support/engines.py). It drafts
+like DuoProposer, then sabotages verification: the rejection sampler's per-token
+temperatures are all set to 0.5, so drafts are judged against a sharper
+distribution than the one the target samples from.
 """
 
 from duo_vllm.vllm.proposer import DuoProposer

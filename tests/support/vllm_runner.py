@@ -5,10 +5,11 @@
 request.json: {"target", "prompts" (chat-formatted text), "max_tokens",
 "temperature", "top_p", "speculative_config" (or null), "env" (extra
 variables), "max_model_len", "max_num_seqs", "dtype" (default float32: the
-default target's own dtype), "n", "seed" or "seeds" (one per prompt), "eager" (vLLM's enforce_eager),
-"then_batched" (prompts generated all at once after the others, in the same engine)}. Keeping each engine in a process of its own
-isolates the tests from vLLM's process and signal handling, and frees all
-of an engine's memory and Ray processes when it exits.
+default target's own dtype), "n", "seed" or "seeds" (one per prompt), "eager"
+(vLLM's enforce_eager), "then_batched" (prompts generated all at once after the
+others, in the same engine)}. Keeping each engine in a process of its own
+isolates the tests from vLLM's process and signal handling, and frees all of an
+engine's memory and Ray processes when it exits.
 """
 
 import json
