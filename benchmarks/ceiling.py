@@ -12,7 +12,7 @@ noise. Each step takes the better (tokens per second) of:
 
 - a *lent* step: the target on every core (``--tl`` a step), the lookup
   draft (:func:`duo_vllm.sources.lookup.find_continuation`, cut by
-  :func:`duo_vllm.sources.lookup.paying_length` at α 0.74) verified at ``--c`` a token;
+  :func:`duo_vllm.control.serving.paying_length` at α 0.74) verified at ``--c`` a token;
 - a *drafting* step: the target on its own cores (``--t1``), the draft
   model's chain of ``n`` tokens (``(n + 1)·d <= t1 + c·n``: what it drafts
   during one step, its guess of the target's next token included; less
@@ -44,7 +44,8 @@ import os
 
 import numpy as np
 
-from duo_vllm.sources.lookup import common_prefix, find_continuation, paying_length
+from duo_vllm.control.serving import common_prefix, paying_length
+from duo_vllm.sources.lookup import find_continuation
 
 
 def stored_outputs(dirs) -> list[tuple[str, list[int], list[int]]]:

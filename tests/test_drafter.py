@@ -289,7 +289,7 @@ def test_controller_drafts_nothing_when_drafting_does_not_pay():
 def test_a_miss_with_a_good_lookup_copy_is_not_drafted_on_the_spot():
     """vLLM does not wait for a model draft where the request's lookup draft, served
     anyway, is as likely accepted: the draft core pre-drafts from the copy's end."""
-    from duo_vllm.sources.lookup import Hint
+    from duo_vllm.control.serving import Hint
 
     def step(hint):
         be, d = make(auto())
@@ -667,7 +667,7 @@ def test_stats_do_not_wait_out_a_background_prefill():
 def test_a_served_lookup_continuation_is_pre_drafted_from_its_end():
     """The proposer serves choose(model draft, lookup); the drafter pre-drafts from the
     end of the same, so the step after an accepted lookup finds its branch ready."""
-    from duo_vllm.sources.lookup import Hint
+    from duo_vllm.control.serving import Hint
 
     be, d = make(DraftPolicy(k=4, parallel=True, budget=2, multi_sequence=False))
     prompt = ctx(1, 2)
@@ -691,7 +691,7 @@ def test_a_served_lookup_continuation_is_pre_drafted_from_its_end():
 ])
 def test_the_pre_draft_continues_what_the_proposer_serves(lookup, alpha_lookup, threshold,
                                                           served):
-    from duo_vllm.sources.lookup import Hint, choose
+    from duo_vllm.control.serving import Hint, choose
 
     be, d = make(DraftPolicy(k=4, parallel=True, budget=2, multi_sequence=False))
     lookup = be.chain(2, 4) if lookup is None else lookup
@@ -876,7 +876,7 @@ def test_a_weak_lookup_tail_is_pre_drafted_from_where_it_parts_from_the_model():
     the copy leaves the model's own draft, so the target's token there (the model's
     guess), or copied tokens the model's chain also follows and then the target's
     own, find their branch ready."""
-    from duo_vllm.sources.lookup import Hint
+    from duo_vllm.control.serving import Hint
 
     def first_step(lookup, alpha_lookup=0.4):
         be, d = make(DraftPolicy(k=4, parallel=True, budget=3, multi_sequence=False))

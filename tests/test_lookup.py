@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from duo_vllm.sources.lookup import (LOOKUP, LOOKUP_PRIOR, MATCH_CLASSES, MODEL, ContextLookup,
-                             MatchAcceptance, choose, combine,
-                             find_continuation, find_match, match_class,
-                             paying_length, score)
+from duo_vllm.control.serving import choose, combine, paying_length
+from duo_vllm.control.verdict import LOOKUP, MODEL
+from duo_vllm.sources.lookup import (LOOKUP_PRIOR, MATCH_CLASSES, ContextLookup, MatchAcceptance,
+                                     find_continuation, find_match, match_class, score)
 
 
 def ctx(*tokens):

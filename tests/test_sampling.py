@@ -14,7 +14,8 @@ from scipy.stats import chisquare
 
 from duo_vllm.runtime.delta import Drafts
 from duo_vllm.draft.drafter import DraftPolicy, DuoDrafter
-from duo_vllm.sources.lookup import MODEL, Hint, serve
+from duo_vllm.control.serving import Hint, serve
+from duo_vllm.control.verdict import MODEL
 from duo_vllm.draft.sampling import dense_q, draft_q, q_entries, sample_q
 from duo_vllm.runtime.message import StepRequest
 from tests.fakes import FakeBackend

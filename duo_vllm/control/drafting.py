@@ -12,7 +12,7 @@ from __future__ import annotations
 
 
 from duo_vllm.control.goodput import PROBE_EVERY, TargetCost, expected_accepted
-from duo_vllm.sources.lookup import Hint, serve
+from duo_vllm.control.serving import Hint, serve
 
 # priors, until the drafter has measured its own
 PRIOR_STEP_S = 0.05  # T₀: the target's plain step
@@ -125,7 +125,7 @@ def extends_branch(served: int, available: int, k: int, mixes_draws: bool) -> bo
 
 def lookup_fallback(hint: Hint | None) -> tuple[float, int]:
     """(expected accepted tokens, length) of what a row is served from its lookup draft
-    alone, as the proposer's :func:`~duo_vllm.sources.lookup.serve` cuts it."""
+    alone, as the proposer's :func:`~duo_vllm.control.serving.serve` cuts it."""
     if hint is None or not hint.tokens:
         return 0.0, 0
     draft, _ = serve([], False, hint)

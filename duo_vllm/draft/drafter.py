@@ -36,7 +36,7 @@ from duo_vllm.draft.predraft import Predrafter
 from duo_vllm.draft.sequences import DraftPolicy
 from duo_vllm.draft.slots import Slot, common_prefix_len
 from duo_vllm.runtime.message import StepRequest
-from duo_vllm.sources.lookup import Hint, serve as serve_rule
+from duo_vllm.control.serving import Hint, serve as serve_rule
 
 __all__ = ["DraftPolicy", "DuoDrafter"]
 
@@ -84,9 +84,9 @@ class DuoDrafter(Predrafter):
         request's sampling temperature (0: greedy). With ``serve=False``
         nothing is drafted now (vLLM has already gone on without a draft):
         only the pre-draft for these contexts is queued. ``step.hints`` are the
-        proposer's lookup drafts (:class:`duo_vllm.sources.lookup.Hint`): the drafter
+        proposer's lookup drafts (:class:`duo_vllm.control.serving.Hint`): the drafter
         returns its own drafts, and pre-drafts from the end of what the
-        proposer will serve, :func:`duo_vllm.sources.lookup.serve` of its own draft
+        proposer will serve, :func:`duo_vllm.control.serving.serve` of its own draft
         and the hint (the same pure function, the same inputs), so a served
         lookup continuation finds its next step's branches ready.
         ``step.remaining``: the tokens each request may still generate (its

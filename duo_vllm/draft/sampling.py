@@ -23,7 +23,7 @@ tokens drafted without q (lookup copies, greedy drafts): exact either way.
 Lossless needs every served token with a q to be *the* draw from that q: a
 sampled draft is served as drawn (a prefix of it, cut at a length fixed
 before drawing), never picked among alternatives by its content. See
-:func:`duo_vllm.sources.lookup.serve`.
+:func:`duo_vllm.control.serving.serve`.
 """
 
 from __future__ import annotations

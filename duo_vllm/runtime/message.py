@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
-    from duo_vllm.sources.lookup import Hint
+    from duo_vllm.control.serving import Hint
 
 
 @dataclass(frozen=True)

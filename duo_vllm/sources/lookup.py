@@ -12,22 +12,20 @@ the same process.
 Lookup drafts and draft-model drafts are two *sources*. Both are scored every
 step against the tokens the target then produced (:func:`score`), served or
 not, so each request's acceptance per source is measured; a lookup draft's
-also per the length of the match it follows (:class:`MatchAcceptance`). Per request and
-step, :func:`combine` serves one draft: where the two agree, the longer; where
-they differ, the source more likely accepted. Lookup tokens are verified like
-any draft, so they pass the goodput rule of :mod:`duo_vllm.control.goodput` first.
+also per the length of the match it follows (:class:`MatchAcceptance`). What a
+row is served is the controller's (:mod:`duo_vllm.control.serving`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from duo_vllm.control.goodput import Acceptance, regime, token_alphas
+from duo_vllm.control.goodput import Acceptance, regime
+from duo_vllm.control.serving import common_prefix
+from duo_vllm.control.verdict import LOOKUP, MODEL
 
-LOOKUP, MODEL = "lookup", "model"
 # a lookup draft's acceptance is kept per class of the length of the match it follows:
 # a match of n tokens counts in the last class <= n
 MATCH_CLASSES = (1, 2, 3, 4, 6)
@@ -79,15 +77,6 @@ def find_match(context: np.ndarray, k: int, min_n: int, max_n: int) -> tuple[np.
     return context[e + 1 + np.arange(k) % (size - 1 - e)], n
 
 
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if int(x) != int(y):
-            break
-        n += 1
-    return n
-
-
 def score(draft, produced) -> tuple[int, int]:
     """(accepted, judged) of ``draft`` against the tokens the target ``produced`` after it.
 
@@ -97,88 +86,6 @@ def score(draft, produced) -> tuple[int, int]:
     """
     judged = min(len(draft), len(produced))
     return min(common_prefix(draft, produced), judged), judged
-
-
-def combine(model: list[int], lookup: list[int], alpha_model: float,
-            alpha_lookup: float | Sequence[float]) -> tuple[list[int], str]:
-    """The draft to serve from a draft-model draft and a lookup draft, and its source.
-
-    Where one is a prefix of the other they agree: serve the longer. Where they
-    part, serve the source whose token there is more likely accepted
-    (``alpha_lookup``: per token of the copy, or one α for all).
-    """
-    if not lookup:
-        return model, MODEL
-    if not model:
-        return lookup, LOOKUP
-    agree = common_prefix(model, lookup)
-    if agree == len(model) or agree == len(lookup):
-        return (lookup, LOOKUP) if len(lookup) > len(model) else (model, MODEL)
-    return (lookup, LOOKUP) if token_alphas(alpha_lookup, 1, agree)[0] > alpha_model \
-        else (model, MODEL)
-
-
-@dataclass(frozen=True)
-class Hint:
-    """A row's lookup draft and the inputs of :func:`choose`, for the drafter.
-
-    The proposer serves ``choose(model_draft, tokens, alpha_model,
-    alpha_lookup, threshold)``; the drafter, which makes the model draft,
-    computes the same and pre-drafts from its end.
-    """
-
-    tokens: list
-    alpha_model: float
-    alpha_lookup: float | tuple  # per token of ``tokens`` (MatchAcceptance.alphas)
-    threshold: float
-
-
-def paying_length(lead: float, alpha: float | Sequence[float], n: int, threshold: float,
-                  start: int = 0) -> int:
-    """Tokens of an ``n``-token lookup tail worth verifying.
-
-    Its t-th token is accepted with probability ``lead`` · α₁ ··· αₜ (``lead``:
-    the chance the draft tokens before the tail are all accepted; the α of the
-    copy's tokens ``start`` on, :func:`~duo_vllm.control.goodput.token_alphas`) and
-    pays while that beats ``threshold`` = c · goodput
-    (:func:`duo_vllm.control.goodput.pays`).
-    """
-    t, p = 0, lead
-    for a in token_alphas(alpha, n, start):
-        if p * a <= threshold:
-            break
-        t, p = t + 1, p * a
-    return t
-
-
-def choose(model: list[int], lookup: list[int], alpha_model: float,
-           alpha_lookup: float | Sequence[float], threshold: float) -> tuple[list[int], str]:
-    """:func:`combine`, with a lookup tail cut to what pays for its verification."""
-    draft, source = combine(model, lookup, alpha_model, alpha_lookup)
-    if source != LOOKUP:
-        return draft, source
-    agree = common_prefix(model, lookup)
-    if agree == len(model):  # the model's draft, extended by the lookup's tail
-        n = agree + paying_length(alpha_model ** agree, alpha_lookup, len(draft) - agree,
-                                  threshold, start=agree)
-        if model and n <= len(model):
-            return model, MODEL
-        return draft[:n], LOOKUP
-    n = paying_length(1.0, alpha_lookup, len(draft), threshold)  # they part: the lookup's own
-    return (draft[:n], LOOKUP) if n else (model, MODEL)
-
-
-def serve(model: list[int], drawn: bool, hint: Hint | None) -> tuple[list[int], str]:
-    """What a row is served: its model draft and lookup draft combined by :func:`choose`.
-
-    A model draft ``drawn`` from the draft's q (a sampled request,
-    :mod:`duo_vllm.draft.sampling`) is served as it is whenever it has tokens: the
-    rejection sampler reads its q, which holds only for the draw itself, not
-    for a draw picked or cut by how it agrees with the lookup draft.
-    """
-    if hint is None or not hint.tokens or (drawn and model):
-        return model, MODEL
-    return choose(model, hint.tokens, hint.alpha_model, hint.alpha_lookup, hint.threshold)
 
 
 class MatchAcceptance:

@@ -17,7 +17,6 @@ import numpy as np
 
 from duo_vllm.config import DuoConfig
 from duo_vllm.control.goodput import StepTimeModel
-from duo_vllm.control.verdict import PLAIN, Verdict
 from duo_vllm.draft.sampling import dense_q
 from duo_vllm.draft.slots import pool_window
 from duo_vllm.host.lending import MatmulPrimitives, TargetThreads
@@ -27,7 +26,9 @@ from duo_vllm.metrics import Reporter
 from duo_vllm.runtime.actor import DraftWorker
 from duo_vllm.runtime.client import ActorClient
 from duo_vllm.runtime.delta import DeltaSender
-from duo_vllm.sources.lookup import LOOKUP, MODEL, ContextLookup, Hint, serve
+from duo_vllm.control.serving import Hint, serve
+from duo_vllm.control.verdict import LOOKUP, MODEL, PLAIN, Verdict
+from duo_vllm.sources.lookup import ContextLookup
 from duo_vllm.vllm import rows as rows_of
 from duo_vllm.vllm.draft_side import DraftSide
 from duo_vllm.vllm.drafts_out import attach_drafts
