@@ -33,14 +33,14 @@ def main() -> None:
 
     from duo_vllm.vllm.patches import (fix_cpu_expand_kernel, with_bonus_without_logprobs,
                                        with_logprob_free_verify)
-    from tests.test_vllm_patches import _spec_metadata, sampling_metadata
+    from tests.support.vllm_metadata import sampling_metadata, spec_metadata
 
     CpuPlatform.register_triton_kernel_overrides()
     fix_cpu_expand_kernel()
     torch.set_num_threads(1)
     os.sched_setaffinity(0, {0})
     drafts = [[5] * args.k for _ in range(args.batch)]
-    meta = _spec_metadata(drafts)
+    meta = spec_metadata(drafts)
     logits = torch.randn(args.batch * (args.k + 1), args.vocab)
     temps = [args.temperature] * args.batch
     stock = (RejectionSampler.forward, Sampler.forward)

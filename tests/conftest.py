@@ -29,6 +29,14 @@ def swallowed(request):
         pytest.fail(catcher.report(found), pytrace=False)
 
 
+@pytest.fixture
+def clock(monkeypatch):
+    """The proposer's time, moved by hand: ``clock.now += 0.05`` (proposer-step tests)."""
+    from tests.support.proposer_steps import hand_clock
+
+    return hand_clock(monkeypatch)
+
+
 @pytest.fixture(scope="session")
 def target_dir():
     from duo_vllm.models import prepare_default_target

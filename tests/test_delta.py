@@ -13,7 +13,7 @@ from duo_vllm.config import DuoConfig
 from duo_vllm.runtime.delta import Delta, DeltaReceiver, DeltaSender, Drafts
 from duo_vllm.vllm.proposer import DuoProposer
 from duo_vllm.runtime.message import StepRequest
-from tests.fakes import FakeBackend
+from tests.support.fakes import FakeBackend
 
 
 def grow(rng, contexts, lo=1, hi=4):

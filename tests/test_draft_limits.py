@@ -15,8 +15,8 @@ from duo_vllm.config import (
     derive_draft_limits,
 )
 from duo_vllm.runtime.message import StepRequest
-from tests.fakes import FakeBackend
-from tests.test_gpu_server import FakeLlamaCpp
+from tests.support.fakes import FakeBackend
+from tests.support.llama_cpp import FakeLlamaCpp
 
 
 def vllm_config(max_num_seqs=256, max_model_len=32768):
@@ -164,7 +164,7 @@ def test_llama_cpp_is_sized_after_the_model_says_its_training_context(monkeypatc
 def test_the_proposer_hands_vllms_limits_to_the_actor(monkeypatch):
     pytest.importorskip("vllm")
     from duo_vllm.vllm import proposer as proposer_mod
-    from tests.test_gpu_server import fake_groups, spec_config
+    from tests.support.vllm_fakes import fake_groups, spec_config
 
     fake_groups(monkeypatch, 0)
     seen = {}

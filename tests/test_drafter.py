@@ -7,7 +7,7 @@ from duo_vllm.draft.drafter import DraftPolicy, DuoDrafter
 from duo_vllm.control.drafting import CATCH_UP, PREFILL_CHUNK
 from duo_vllm.control.goodput import PROBE_EVERY
 from duo_vllm.runtime.message import StepRequest
-from tests.fakes import FakeBackend
+from tests.support.fakes import FakeBackend
 
 
 def ctx(*xs):

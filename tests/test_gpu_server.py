@@ -1,66 +1,13 @@
 """What a GPU server changes, checked here with fakes: the draft stays off the GPU."""
 
 import sys
-from types import SimpleNamespace
 
 import pytest
 
 from duo_vllm.runtime.actor import NO_GPU_ENV, actor_options
 from duo_vllm.config import DuoConfig, DuoConfigError
-
-
-class FakeLlamaCpp:
-    """Just enough of llama_cpp's C API for LlamaCppBackend.__init__; records the params."""
-
-    def __init__(self):
-        self.model_params = self.context_params = None
-
-    def llama_log_callback(self, fn):
-        return fn
-
-    def llama_log_set(self, *a):
-        pass
-
-    def llama_backend_init(self):
-        pass
-
-    def llama_model_default_params(self):
-        return SimpleNamespace(n_gpu_layers=999, vocab_only=False)  # a GPU build's default
-
-    def llama_model_load_from_file(self, path, params):
-        self.model_params = params
-        return object()
-
-    def llama_model_get_vocab(self, model):
-        return object()
-
-    def llama_vocab_n_tokens(self, vocab):
-        return 8
-
-    def llama_model_n_ctx_train(self, model):
-        return 8192
-
-    def llama_context_default_params(self):
-        return SimpleNamespace(op_offload=True)  # llama.cpp's default
-
-    def llama_init_from_model(self, model, params):
-        self.context_params = params
-        return object()
-
-    def llama_get_memory(self, ctx):
-        return object()
-
-    def llama_batch_init(self, *a):
-        return object()
-
-    def llama_batch_free(self, *a):
-        pass
-
-    def llama_free(self, *a):
-        pass
-
-    def llama_model_free(self, *a):
-        pass
+from tests.support.llama_cpp import FakeLlamaCpp
+from tests.support.vllm_fakes import fake_groups, spec_config
 
 
 @pytest.mark.parametrize("layers, want", [(0, 0), (5, 5), (-1, 2 ** 31 - 1)])
@@ -93,21 +40,6 @@ def test_draft_gpu_layers_is_validated():
         DuoConfig(draft_gpu_layers=-2)
     with pytest.raises(DuoConfigError, match="draft_gpu_layers"):
         DuoConfig(draft_gpu_layers=True)
-
-
-def fake_groups(monkeypatch, tp_rank, last_pp=True):
-    import vllm.distributed.parallel_state as ps
-
-    monkeypatch.setattr(ps, "get_tp_group", lambda: SimpleNamespace(rank_in_group=tp_rank))
-    monkeypatch.setattr(ps, "get_pp_group", lambda: SimpleNamespace(is_last_rank=last_pp))
-
-
-def spec_config(dp_rank=0):
-    load = SimpleNamespace(model_loader_extra_config={"duo": {}})
-    return SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=4, draft_load_config=load),
-        model_config=SimpleNamespace(max_model_len=2048, get_vocab_size=lambda: 49152),
-        parallel_config=SimpleNamespace(data_parallel_rank=dp_rank))
 
 
 @pytest.mark.parametrize("tp_rank, last_pp", [(1, True), (3, True), (0, False)])

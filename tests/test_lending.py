@@ -15,13 +15,8 @@ from duo_vllm.host.lending import (ONEDNN_CACHE, MatmulPrimitives, TargetThreads
                               bind_order, lend_plan, lend_prefill, onednn_keys, onednn_linears,
                               remake_pays)
 from duo_vllm.vllm.lender import REMAKE_WEIGHT
-from tests.test_proposer_steps import FakeWorker, bare, clock, inputs  # noqa: F401
+from tests.support.proposer_steps import FakeDraftWorker, bare, inputs, on_mode
 from duo_vllm.control.verdict import LOOKUP, MODEL
-
-
-def on_mode(on: bool) -> str:
-    """The verdict's mode for a test that says whether the model drafts."""
-    return MODEL if on else LOOKUP
 
 
 def test_bind_order_reads_each_openmp_runtime_in_thread_order():
@@ -279,7 +274,7 @@ def lending(worker, runner_ids=("a",)):
 
 
 def test_the_target_gets_the_draft_cores_exactly_while_the_draft_model_is_off(clock):
-    w = FakeWorker()
+    w = FakeDraftWorker()
     p, calls = lending(w)
     modes = iter([True, True, False, False, True])
     p.verdict.choose = lambda b, sampled, key=None: on_mode(next(modes))
@@ -297,7 +292,7 @@ def test_the_target_gets_the_draft_cores_exactly_while_the_draft_model_is_off(cl
 
 
 def test_steps_on_the_lent_cores_are_no_samples_of_the_drafting_step_time(clock):
-    w = FakeWorker(drafts=[[]])
+    w = FakeDraftWorker(drafts=[[]])
     p, _ = lending(w)
     on = {"v": True}
     p.verdict.choose = lambda b, sampled, key=None: on_mode(on["v"])
@@ -321,7 +316,7 @@ def test_copies_on_a_lent_step_are_priced_on_what_a_lent_step_costs(clock, lent_
     what drafting steps at batch 1 extrapolated to, and copies that lost were served."""
     from duo_vllm.sources.lookup import ContextLookup
 
-    w = FakeWorker()
+    w = FakeDraftWorker()
     p, _ = lending(w)
     p.lookup = ContextLookup(min_n=2, max_n=4)
     p.verdict.choose = lambda b, sampled, key=None: LOOKUP  # the draft model off: lent
@@ -334,7 +329,7 @@ def test_copies_on_a_lent_step_are_priced_on_what_a_lent_step_costs(clock, lent_
 
 
 def test_vllms_engine_core_sits_on_the_draft_cores_only_while_the_draft_drafts(clock):
-    p, calls = lending(FakeWorker())
+    p, calls = lending(FakeDraftWorker())
     places = []
     p._engine_place = SimpleNamespace(use=places.append)
     modes = iter([True, True, False, False, True])
@@ -348,7 +343,7 @@ def test_vllms_engine_core_sits_on_the_draft_cores_only_while_the_draft_drafts(c
 
 @pytest.mark.expect_swallowed(RuntimeError, reason="the draft side's injected failure")
 def test_a_draft_side_that_failed_lends_its_cores_back(clock):
-    class Broken(FakeWorker):
+    class Broken(FakeDraftWorker):
         def propose(self, *a, **k):
             raise RuntimeError("draft died")
 
@@ -359,7 +354,7 @@ def test_a_draft_side_that_failed_lends_its_cores_back(clock):
     assert calls == [1, 2] and p._threads.lent
 
 
-class IdleWorker(FakeWorker):
+class IdleWorker(FakeDraftWorker):
     """Drafts ``drafts``; ``idle``: nothing left for its background thread."""
 
     idle = True
@@ -435,7 +430,7 @@ def test_an_idle_draft_side_lends_only_where_no_matmul_would_need_remaking(clock
 
 
 def test_prompts_the_draft_will_not_draft_for_are_prefilled_on_the_lent_cores(clock):
-    class Pausing(FakeWorker):
+    class Pausing(FakeDraftWorker):
         pauses = 0
 
         def pause(self, wait=False):
@@ -516,7 +511,7 @@ def test_long_prompts_are_prefilled_on_the_lent_cores_and_short_ones_beside_the_
 def test_a_lending_proposer_remakes_the_targets_matmuls_at_each_lend_and_stops_if_that_fails(
         caplog):
     ops = FakeOps()
-    p, calls = lending(FakeWorker())
+    p, calls = lending(FakeDraftWorker())
     p.load_model(torch.nn.ModuleList([onednn_layer(ops, "q", 960, 576)]))
     p._lend(False)
     p._lend(True)
@@ -531,7 +526,7 @@ def test_a_lending_proposer_remakes_the_targets_matmuls_at_each_lend_and_stops_i
     assert calls == [1, 2, 1, 2] and p._threads.on_lend is None
     assert "remaking the target's oneDNN matmuls failed" in caplog.text
     # a proposer that does not lend never touches the target model
-    q = bare(FakeWorker())
+    q = bare(FakeDraftWorker())
     q.load_model(torch.nn.ModuleList([onednn_layer(FakeOps(), "q", 960, 576)]))
     assert q._primitives is None and q.stats()["matmul_remakes"] == 0
 
@@ -539,7 +534,7 @@ def test_a_lending_proposer_remakes_the_targets_matmuls_at_each_lend_and_stops_i
 @pytest.mark.expect_swallowed(TypeError, reason="vLLM's internals moved: a hook set to None")
 def test_with_the_step_hook_a_lending_proposer_remakes_before_the_step_that_needs_it(clock):
     ops = FakeOps()
-    p, calls = lending(FakeWorker())
+    p, calls = lending(FakeDraftWorker())
     p._hooked = True
     p.load_model(torch.nn.ModuleList([onednn_layer(ops, "q", 960, 576)]))
     assert p._threads.on_lend is None  # not at each lend
@@ -584,7 +579,7 @@ def test_a_lent_prompt_step_that_would_not_repay_a_remake_runs_without_one(clock
     lent (the next batch's prompt of that length): the remake (0.3-0.5 s) costs more
     than one thread loses on it. A decode step of that row count is remade first."""
     ops = FakeOps()
-    p, calls = lending(FakeWorker())
+    p, calls = lending(FakeDraftWorker())
     p._hooked = True
     p.load_model(torch.nn.ModuleList([onednn_layer(ops, "q", 960, 576)]))
     refreshes = p._primitives.refreshes
@@ -608,7 +603,7 @@ def test_a_lent_prompt_step_that_would_not_repay_a_remake_runs_without_one(clock
 
 def test_the_remake_is_no_part_of_the_next_steps_time_for_the_gates(clock):
     ops = FakeOps()
-    p, _ = lending(FakeWorker())
+    p, _ = lending(FakeDraftWorker())
     p.load_model(torch.nn.ModuleList([onednn_layer(ops, "q", 960, 576)]))
     real = p._primitives.refresh
 
@@ -626,7 +621,7 @@ def test_the_remake_is_no_part_of_the_next_steps_time_for_the_gates(clock):
 def test_a_step_of_seeded_sampled_requests_only_lends_and_asks_the_draft_nothing(clock):
     # they decode without drafts (tests/test_proposer_steps.py): no prompt to prefetch,
     # no call, and the draft's cores go to the target, its background work dropped first
-    class Pausing(FakeWorker):
+    class Pausing(FakeDraftWorker):
         pauses = 0
 
         def pause(self, wait=False):

@@ -8,7 +8,7 @@ from duo_vllm.control.drafting import MIN_RESTORE, restore_pays
 from duo_vllm.draft.prompt_cache import PromptCache
 from duo_vllm.draft.slots import SlotPool
 from duo_vllm.runtime.message import StepRequest
-from tests.fakes import FakeBackend
+from tests.support.fakes import FakeBackend
 
 
 def toks(*xs):

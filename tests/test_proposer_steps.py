@@ -6,85 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from duo_vllm.vllm import lender as lender_mod
 from duo_vllm.vllm import proposer as proposer_mod
 from duo_vllm.config import DuoConfig
-from duo_vllm.runtime.delta import Delta, DeltaReceiver
-from duo_vllm.stats import DraftStats
-from duo_vllm.vllm.proposer import DuoProposer, valid_prefix
+from duo_vllm.vllm.proposer import valid_prefix
 from duo_vllm.control.verdict import LOOKUP, MODEL, PLAIN
-
-
-def on_mode(on: bool) -> str:
-    """The verdict's mode for a test that says whether the model drafts."""
-    return MODEL if on else LOOKUP
-
-
-class FakeWorker:
-    def __init__(self, drafts=None):
-        self.calls = []
-        self.drafts = drafts
-        self.receiver = DeltaReceiver()  # the proposer sends deltas, as to DraftWorker
-
-    def propose(self, step):
-        contexts = step.contexts
-        if isinstance(contexts, Delta):
-            contexts, resend = self.receiver.decode(contexts)
-            assert not resend and all(c is not None for c in contexts)
-        self.calls.append(dict(contexts=[list(c) for c in contexts], budgets=step.budgets,
-                               step_s=step.step_s, temps=step.temperatures,
-                               per_token_s=step.per_token_s, hints=step.hints,
-                               remaining=step.remaining))
-        return self.drafts or [[1, 2, 3, 4] for _ in contexts]
-
-    def stats(self):
-        """What DraftWorker.stats() says for a worker that drafted nothing itself (the
-        proposer logs it every ten seconds of steps)."""
-        nan = float("nan")
-        return {**DraftStats().as_dict(), "draft_token_ms": nan, "draft_prefill_token_ms": nan,
-                "lock_wait_ms": 0.0, "actor_propose_ms": 0.0, "target_step_ms": nan,
-                "verify_token_ms": nan, "draft_call_ms_by_width": {}, "cache_mb": 0.0,
-                "acceptance_greedy": nan, "acceptance_sampled": nan}
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def perf_counter(self):
-        return self.now
-
-    def monotonic(self):
-        return self.now
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    c = Clock()
-    monkeypatch.setattr(proposer_mod, "time", c)
-    monkeypatch.setattr(lender_mod, "time", c)  # the proposer's lending half
-    return c
-
-
-def bare(worker, vocab=50, k=4):
-    p = object.__new__(DuoProposer)
-    p.config = DuoConfig(use_actor=False)
-    p.k, p.max_model_len, p.target_vocab_size = k, 100, vocab
-    p.k_lookup = k
-    p._client, p._worker = None, worker
-    p._init_step_state()
-    return p
-
-
-def inputs(contexts, width=32):
-    ids = np.zeros((len(contexts), width), dtype=np.int32)
-    for i, c in enumerate(contexts):
-        ids[i, :len(c)] = c
-    return [[c[-1]] if c else [] for c in contexts], np.array([len(c) for c in contexts]), ids
+from tests.support.proposer_steps import FakeDraftWorker, bare, inputs, on_mode
 
 
 def test_temperatures_come_from_the_runners_input_batch(clock):
-    w = FakeWorker()
+    w = FakeDraftWorker()
     p = bare(w)
     runner = SimpleNamespace(input_batch=SimpleNamespace(
         temperature_cpu=np.array([0.0, 0.7, 1.0], dtype=np.float32)))
@@ -95,7 +25,7 @@ def test_temperatures_come_from_the_runners_input_batch(clock):
 
 
 def test_each_rows_tokens_left_come_from_vllms_request_states(clock):
-    w = FakeWorker()
+    w = FakeDraftWorker()
     p = bare(w)
 
     def state(prompt, max_tokens):
@@ -117,7 +47,7 @@ def test_each_rows_tokens_left_come_from_vllms_request_states(clock):
 
 
 def test_step_time_is_measured_per_batch_and_drafted_tokens(clock):
-    w = FakeWorker()
+    w = FakeDraftWorker()
     p = bare(w)
     sampled, n, ids = inputs([[1, 2]])
     for i in range(30):
@@ -133,7 +63,7 @@ def test_step_time_is_measured_per_batch_and_drafted_tokens(clock):
 
 
 def test_prefill_steps_are_not_samples_of_the_step_time(clock):
-    p = bare(FakeWorker())
+    p = bare(FakeDraftWorker())
     sampled, n, ids = inputs([[1, 2]])
     p.propose(sampled, n, ids)
     clock.now += 0.05
@@ -151,7 +81,7 @@ def test_a_fit_thrown_by_disturbed_steps_recovers_from_the_steps_after_them(cloc
     are samples, and the fit comes back to them. A batch size first seen after a
     wider one is predicted off that one's fit, far too short: a step there is idle
     only if far longer than the nearest batch size's steps too."""
-    w = FakeWorker(drafts=[[]])
+    w = FakeDraftWorker(drafts=[[]])
     p = bare(w)
     for _ in range(10):
         p.step_time.observe(1, 1, 0.030)
@@ -166,7 +96,7 @@ def test_a_fit_thrown_by_disturbed_steps_recovers_from_the_steps_after_them(cloc
     p.propose(sampled, n, ids)
     assert p.step_time.mean(1) < 0.050
     # batch 1 first seen after batch 4: predicted from batch 4's fit, 13 ms
-    p = bare(FakeWorker(drafts=[[]]))
+    p = bare(FakeDraftWorker(drafts=[[]]))
     for i in range(40):
         p.step_time.observe(4, i % 5 * 4, 0.040 + 0.009 * (i % 5 * 4))
     assert p.step_time.predict(1, 0) < 0.040 / 3
@@ -178,7 +108,7 @@ def test_a_fit_thrown_by_disturbed_steps_recovers_from_the_steps_after_them(cloc
 
 @pytest.mark.expect_swallowed(IndexError, TypeError, reason='a token table that is None')
 def test_propose_never_raises_and_counts_the_failure(clock, caplog):
-    p = bare(FakeWorker())
+    p = bare(FakeDraftWorker())
     sampled, n, _ = inputs([[1, 2]])
     assert p.propose(sampled, n, None) == [[]]  # a broken token table
     assert p._errors == 1 and "propose() failed" in caplog.text
@@ -187,7 +117,7 @@ def test_propose_never_raises_and_counts_the_failure(clock, caplog):
 
 
 def test_a_draft_is_cut_at_its_first_invalid_token(clock):
-    p = bare(FakeWorker(drafts=[[1, 2, 99, 3]]), vocab=50)
+    p = bare(FakeDraftWorker(drafts=[[1, 2, 99, 3]]), vocab=50)
     sampled, n, ids = inputs([[1, 2]])
     assert p.propose(sampled, n, ids) == [[1, 2]]
     assert valid_prefix([5, -1, 6], 50) == [5]
@@ -195,7 +125,7 @@ def test_a_draft_is_cut_at_its_first_invalid_token(clock):
 
 
 def test_gate_off_means_no_call_to_the_draft_side(clock):
-    w = FakeWorker()
+    w = FakeDraftWorker()
     p = bare(w)
     ids_batch = SimpleNamespace(temperature_cpu=np.zeros(2, dtype=np.float32), req_ids=["a", "b"])
     p.attach_runner(SimpleNamespace(input_batch=ids_batch))
@@ -207,7 +137,7 @@ def test_gate_off_means_no_call_to_the_draft_side(clock):
 
 
 def test_the_gate_sees_the_tokens_each_step_produced(clock):
-    w = FakeWorker(drafts=[[]])
+    w = FakeDraftWorker(drafts=[[]])
     p = bare(w)
     batch = SimpleNamespace(temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])
     p.attach_runner(SimpleNamespace(input_batch=batch))
@@ -229,7 +159,7 @@ def test_the_gate_sees_the_tokens_each_step_produced(clock):
 
 def test_without_the_gate_or_with_a_fixed_budget_every_step_drafts(clock):
     for cfg in (DuoConfig(use_actor=False, gate=False), DuoConfig(use_actor=False, budget=2)):
-        w = FakeWorker()
+        w = FakeDraftWorker()
         p = bare(w)
         p.config = cfg
         p._init_step_state()
@@ -243,7 +173,7 @@ def test_without_the_gate_or_with_a_fixed_budget_every_step_drafts(clock):
 def test_lookup_drafts_are_served_when_the_draft_model_is_off_and_scored_per_source(clock):
     from duo_vllm.sources.lookup import LOOKUP, MODEL, ContextLookup
 
-    w = FakeWorker()
+    w = FakeDraftWorker()
     p = bare(w, k=2)
     p.k_lookup = 4
     p.lookup = ContextLookup(min_n=2, max_n=4)
@@ -269,7 +199,7 @@ def test_lookup_drafts_are_served_when_the_draft_model_is_off_and_scored_per_sou
 def test_lookup_and_model_drafts_are_combined_by_agreement(clock):
     from duo_vllm.sources.lookup import ContextLookup, choose
 
-    w = FakeWorker(drafts=[[7, 8]])  # the model agrees with the lookup's start
+    w = FakeDraftWorker(drafts=[[7, 8]])  # the model agrees with the lookup's start
     p = bare(w, k=2)
     p.k_lookup = 4
     p.lookup = ContextLookup(min_n=2, max_n=4)
@@ -292,7 +222,7 @@ def test_lookup_and_model_drafts_are_combined_by_agreement(clock):
 def test_lookup_tokens_that_do_not_pay_are_not_served(clock):
     from duo_vllm.sources.lookup import LOOKUP, ContextLookup
 
-    w = FakeWorker()
+    w = FakeDraftWorker()
     p = bare(w, k=2)
     p.lookup = ContextLookup(min_n=2, max_n=4)
     p._gated, p._on = False, False
@@ -312,7 +242,7 @@ def test_a_weak_match_that_does_not_pay_leaves_a_long_one_served(clock):
     accepted are no longer served, while a long match of the same request is."""
     from duo_vllm.sources.lookup import LOOKUP, ContextLookup
 
-    w = FakeWorker()
+    w = FakeDraftWorker()
     p = bare(w, k=2)
     p.k_lookup = 4
     p.lookup = ContextLookup(min_n=2, max_n=8)
@@ -328,7 +258,7 @@ def test_a_weak_match_that_does_not_pay_leaves_a_long_one_served(clock):
     assert p.propose(sampled, n, ids) == [[7, 8, 9, 9]]
 
 
-class PausingWorker(FakeWorker):
+class PausingWorker(FakeDraftWorker):
     def __init__(self):
         super().__init__()
         self.pauses, self.prefetched = 0, []
@@ -401,7 +331,7 @@ def test_held_drafting_is_plain_decoding_with_an_idle_draft_side_and_resumes(clo
 def test_the_verdict_s_modes_serve_lookups_or_nothing_and_each_sample_names_its_mode(clock):
     from duo_vllm.sources.lookup import ContextLookup
 
-    w = FakeWorker()
+    w = FakeDraftWorker()
     p = bare(w, k=2)
     p.k_lookup = 4
     p.lookup = ContextLookup(min_n=2, max_n=4)
@@ -461,7 +391,7 @@ def test_drawn_drafts_go_to_vllm_with_their_q_and_other_drafts_one_hot(clock):
     from duo_vllm.runtime.delta import Drafts
 
     q = [(np.array([3, 9], dtype=np.int32), np.array([0.6, 0.4], dtype=np.float32))] * 2
-    w = FakeWorker(drafts=Drafts([[1, 2], [], [3, 3]], q=[None, None, q]))
+    w = FakeDraftWorker(drafts=Drafts([[1, 2], [], [3, 3]], q=[None, None, q]))
     p = bare(w, vocab=12, k=2)
     p._gated = False
     sampled, n, ids = inputs([[1, 2], [6, 7], [4, 5]])
@@ -479,7 +409,7 @@ def test_drawn_drafts_go_to_vllm_with_their_q_and_other_drafts_one_hot(clock):
 
 
 def test_a_lending_target_carries_no_gate_win_to_a_larger_batch(monkeypatch):
-    p = bare(FakeWorker())
+    p = bare(FakeDraftWorker())
     assert p.verdict.reach == 2
     monkeypatch.setattr(proposer_mod, "resolve_draft_cores", lambda cfg: ([1], True))
     monkeypatch.setattr(proposer_mod, "lend_plan", lambda order, cores, n: (2, 1))
@@ -490,7 +420,7 @@ def test_a_lending_target_carries_no_gate_win_to_a_larger_batch(monkeypatch):
 def test_requests_with_structured_output_are_drafted_without_draws(clock):
     # vLLM's scheduler cuts their drafts at the first token the grammar rejects: a cut by a
     # drawn token's value would bias the output, so they get the argmax (no q)
-    w = FakeWorker()
+    w = FakeDraftWorker()
     p = bare(w)
     p.config = DuoConfig(use_actor=False, sampled_drafts=True)
     grammar = SimpleNamespace(structured_outputs=object())
@@ -512,7 +442,7 @@ def test_seeded_sampled_requests_decode_without_drafts(clock):
     # vLLM's rejection sampler draws from a seeded request's generator once per draft
     # token, and how many a step drafts depends on timing: a seeded sampled request gets
     # none, so its seed gives the same tokens every run (those of plain vLLM)
-    w = FakeWorker()
+    w = FakeDraftWorker()
     p = bare(w)
     p._gated = False
     gen = torch.Generator()

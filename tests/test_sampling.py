@@ -18,7 +18,7 @@ from duo_vllm.control.serving import Hint, serve
 from duo_vllm.control.verdict import MODEL
 from duo_vllm.draft.sampling import dense_q, draft_q, q_entries, sample_q
 from duo_vllm.runtime.message import StepRequest
-from tests.fakes import FakeBackend
+from tests.support.fakes import FakeBackend
 
 P_MIN = 1e-3
 

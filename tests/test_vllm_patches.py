@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from duo_vllm.vllm.patches import expand_kernel_impl
+from tests.support.vllm_metadata import sampling_metadata, spec_metadata
 
 
 def expand_case(dtype):
@@ -345,24 +346,6 @@ def test_draft_probs_hook_installs_on_vllms_model_runner():
                                                                   DRAFT_PROBS_HOOK, False)
 
 
-def sampling_metadata(temperatures, seed=None, max_num_logprobs=None):
-    """vLLM's SamplingMetadata for rows at these temperatures (0: greedy), no penalties."""
-    from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.metadata import SamplingMetadata
-
-    greedy = all(t == 0 for t in temperatures)
-    n = len(temperatures)
-    gens = {} if seed is None else {i: torch.Generator().manual_seed(seed + i) for i in range(n)}
-    return SamplingMetadata(
-        temperature=None if greedy else torch.tensor([float(t) for t in temperatures]),
-        all_greedy=greedy, all_random=all(t > 0 for t in temperatures), top_p=None,
-        top_k=None, generators=gens, max_num_logprobs=max_num_logprobs, no_penalties=True,
-        prompt_token_ids=None, frequency_penalties=torch.zeros(n),
-        presence_penalties=torch.zeros(n), repetition_penalties=torch.ones(n),
-        output_token_ids=[[] for _ in range(n)], allowed_token_ids_mask=None,
-        bad_words_token_ids={}, logitsprocs=LogitsProcessors(), spec_token_ids=[[] for _ in range(n)])
-
-
 def test_draft_free_is_a_step_with_nothing_to_verify():
     pytest.importorskip("vllm.v1.spec_decode.metadata")
     from types import SimpleNamespace
@@ -449,23 +432,6 @@ def test_draft_free_sampling_installs_on_vllms_model_runner():
     assert getattr(gmr.GPUModelRunner._sample, DRAFT_FREE_HOOK)
 
 
-def _spec_metadata(drafts):
-    """vLLM's SpecDecodeMetadata for these drafts, logits laid out as vLLM lays them:
-    each request's rows at its drafts, then its bonus row."""
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
-
-    meta = SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
-    target, bonus, start = [], [], 0
-    for d in drafts:
-        target += range(start, start + len(d))
-        bonus.append(start + len(d))
-        start += len(d) + 1
-    meta.target_logits_indices = torch.tensor(target, dtype=torch.int32)
-    meta.bonus_logits_indices = torch.tensor(bonus, dtype=torch.int32)
-    meta.logits_indices = torch.arange(start, dtype=torch.int32)
-    return meta
-
-
 def _unwrapped(fn):
     from duo_vllm.vllm.patches import LOGPROB_FREE_HOOK
 
@@ -502,7 +468,7 @@ def test_verifying_without_logprobs_keeps_no_copies_and_the_same_tokens(temps, m
     _cpu_rejection_kernels()
     torch.manual_seed(0)
     drafts = [[3, 4], [5], [7, 8, 9], [2]]
-    meta = _spec_metadata(drafts)
+    meta = spec_metadata(drafts)
     logits = torch.randn(sum(len(d) + 1 for d in drafts), 50) * 3
     logits[0, 3] = logits[1, 4] = 30.0  # the first row's drafts are the target's argmax
     asked, clones = [], []
@@ -549,7 +515,7 @@ def test_verifying_with_logprobs_asked_keeps_vllms_path():
     from duo_vllm.vllm.patches import with_logprob_free_verify
 
     _cpu_rejection_kernels()
-    meta = _spec_metadata([[3], [5, 6]])
+    meta = spec_metadata([[3], [5, 6]])
     logits = torch.randn(5, 50)
     seen = []
 
