@@ -164,6 +164,7 @@ def test_llama_cpp_is_sized_after_the_model_says_its_training_context(monkeypatc
 def test_the_proposer_hands_vllms_limits_to_the_actor(monkeypatch):
     pytest.importorskip("vllm")
     from duo_vllm.vllm import proposer as proposer_mod
+    from duo_vllm.vllm import draft_side as draft_side_mod
     from tests.support.vllm_fakes import fake_groups, spec_config
 
     fake_groups(monkeypatch, 0)
@@ -175,7 +176,7 @@ def test_the_proposer_hands_vllms_limits_to_the_actor(monkeypatch):
     def capture(cfg, cores=None):
         seen["cfg"] = cfg
         raise Stop
-    monkeypatch.setattr(proposer_mod, "_ensure_ray", capture)
+    monkeypatch.setattr(draft_side_mod, "_ensure_ray", capture)
     monkeypatch.setattr(proposer_mod.DuoProposer, "_draft_cores", staticmethod(lambda cfg: [0]))
     config = spec_config()
     config.scheduler_config = SimpleNamespace(max_num_seqs=128)

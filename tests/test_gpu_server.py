@@ -48,12 +48,13 @@ def test_ranks_whose_drafts_vllm_drops_never_touch_ray(monkeypatch, tp_rank, las
     import numpy as np
 
     from duo_vllm.vllm import proposer as proposer_mod
+    from duo_vllm.vllm import draft_side as draft_side_mod
 
     fake_groups(monkeypatch, tp_rank, last_pp)
 
     def no_ray(cfg, cores=None):
         raise AssertionError("a rank without drafts started Ray")
-    monkeypatch.setattr(proposer_mod, "_ensure_ray", no_ray)
+    monkeypatch.setattr(draft_side_mod, "_ensure_ray", no_ray)
     p = proposer_mod.DuoProposer(spec_config())
     assert p._client is None and p._worker is None
     ids = np.zeros((2, 8), dtype=np.int32)
@@ -75,6 +76,7 @@ def test_the_output_rank_drafts_and_each_data_parallel_replica_has_its_own_actor
 def test_a_data_parallel_replica_names_its_actor(monkeypatch):
     pytest.importorskip("vllm")
     from duo_vllm.vllm import proposer as proposer_mod
+    from duo_vllm.vllm import draft_side as draft_side_mod
 
     fake_groups(monkeypatch, 0)
     seen = {}
@@ -85,7 +87,7 @@ def test_a_data_parallel_replica_names_its_actor(monkeypatch):
     def capture(cfg, cores=None):  # the first Ray call: the actor's name is settled by then
         seen["name"] = cfg.actor_name
         raise Stop
-    monkeypatch.setattr(proposer_mod, "_ensure_ray", capture)
+    monkeypatch.setattr(draft_side_mod, "_ensure_ray", capture)
     monkeypatch.setattr(proposer_mod.DuoProposer, "_draft_cores", staticmethod(lambda cfg: [0]))
     with pytest.raises(Stop):
         proposer_mod.DuoProposer(spec_config(dp_rank=2))

@@ -88,13 +88,13 @@ def test_lookup_only_starts_no_draft_side_and_serves_the_contexts_copies(
         target_dir, monkeypatch, caplog):
     """lookup_only: no draft model, no actor, no prefetch; the drafts are copies from the
     context, scored as ever, and the periodic stats line comes without a draft side."""
-    import duo_vllm.vllm.proposer as proposer_mod
+    import duo_vllm.vllm.draft_side as draft_side_mod
 
     def no_draft_side(*_, **__):
         raise AssertionError("lookup_only started a draft side")
 
-    monkeypatch.setattr(proposer_mod, "DraftWorker", no_draft_side)
-    monkeypatch.setattr(proposer_mod, "ActorClient", no_draft_side)
+    monkeypatch.setattr(draft_side_mod, "DraftWorker", no_draft_side)
+    monkeypatch.setattr(draft_side_mod, "ActorClient", no_draft_side)
     p = DuoProposer(vllm_config(target_dir, duo={"lookup_only": True}))
     assert p._client is None and p._worker is None and not p._prefetch and not p._on
     for e in range(5):  # the target's steps: verifying a token is nearly free

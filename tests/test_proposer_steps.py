@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from duo_vllm.vllm import proposer as proposer_mod
+from duo_vllm.vllm import draft_side as draft_side_mod
 from duo_vllm.config import DuoConfig
 from duo_vllm.vllm.proposer import valid_prefix
 from duo_vllm.control.verdict import LOOKUP, MODEL, PLAIN
@@ -197,7 +197,8 @@ def test_lookup_drafts_are_served_when_the_draft_model_is_off_and_scored_per_sou
 
 
 def test_lookup_and_model_drafts_are_combined_by_agreement(clock):
-    from duo_vllm.sources.lookup import ContextLookup, choose
+    from duo_vllm.control.serving import choose
+    from duo_vllm.sources.lookup import ContextLookup
 
     w = FakeDraftWorker(drafts=[[7, 8]])  # the model agrees with the lookup's start
     p = bare(w, k=2)
@@ -339,7 +340,7 @@ def test_the_verdict_s_modes_serve_lookups_or_nothing_and_each_sample_names_its_
         temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])))
     for e in range(0, 5):  # verifying a token is nearly free: a lookup token pays
         p.step_time.observe(1, e, 0.050 + 0.0001 * e)
-    modes, asked, seen = iter([LOOKUP, PLAIN, PLAIN]), [], []
+    modes, asked, seen = iter([LOOKUP, PLAIN, LOOKUP]), [], []
     p.verdict.choose = lambda b, sampled, key=None: (asked.append(key), next(modes))[1]
     p.verdict.observe = lambda b, mode, tokens, s, sampled: seen.append((mode, tokens))
     ctx = [5, 6, 7, 8, 9, 10, 5, 6]  # "5 6" came before, followed by 7 8 9 10
@@ -348,11 +349,14 @@ def test_the_verdict_s_modes_serve_lookups_or_nothing_and_each_sample_names_its_
     clock.now += 0.1
     ctx = ctx + [7, 8, 11]  # two accepted and the target's own
     sampled, n, ids = inputs([ctx])
+    p.lookup.observe = lambda *a: pytest.fail("plain decoding reads no context")
     assert p.propose(sampled, n, ids) == [[]]  # plain decoding: not even a lookup
-    assert p.lookup.summary()["lookup_tokens_accepted"] == 2  # the last step is still scored
+    del p.lookup.observe
     clock.now += 0.1
     sampled, n, ids = inputs([ctx + [4]])
     p.propose(sampled, n, ids)
+    # the copy served before the plain step is scored once lookups run again
+    assert p.lookup.summary()["lookup_tokens_accepted"] == 2
     assert w.calls == []  # never the draft model
     assert seen == [(LOOKUP, 3), (PLAIN, 1)]  # each step's sample, in the mode it ran
     assert asked == ["a"] * 3  # batch 1: the verdict is told the request
@@ -411,8 +415,8 @@ def test_drawn_drafts_go_to_vllm_with_their_q_and_other_drafts_one_hot(clock):
 def test_a_lending_target_carries_no_gate_win_to_a_larger_batch(monkeypatch):
     p = bare(FakeDraftWorker())
     assert p.verdict.reach == 2
-    monkeypatch.setattr(proposer_mod, "resolve_draft_cores", lambda cfg: ([1], True))
-    monkeypatch.setattr(proposer_mod, "lend_plan", lambda order, cores, n: (2, 1))
+    monkeypatch.setattr(draft_side_mod, "resolve_draft_cores", lambda cfg: ([1], True))
+    monkeypatch.setattr(draft_side_mod, "lend_plan", lambda order, cores, n: (2, 1))
     assert p._draft_cores(DuoConfig(use_actor=False)) == [1]
     assert p._threads is not None and p.verdict.reach == 0
 
