@@ -16,7 +16,7 @@ from duo_vllm.config import (
 )
 from duo_vllm.runtime.message import StepRequest
 from tests.support.fakes import FakeBackend
-from tests.support.llama_cpp import FakeLlamaCpp
+from tests.support.fake_llama_cpp import FakeLlamaCpp
 
 
 def vllm_config(max_num_seqs=256, max_model_len=32768):

@@ -6,7 +6,7 @@ import pytest
 
 from duo_vllm.runtime.actor import NO_GPU_ENV, actor_options
 from duo_vllm.config import DuoConfig, DuoConfigError
-from tests.support.llama_cpp import FakeLlamaCpp
+from tests.support.fake_llama_cpp import FakeLlamaCpp
 from tests.support.vllm_fakes import fake_groups, spec_config
 
 

@@ -1,6 +1,7 @@
 """vLLM engines for the end-to-end tests, each in a subprocess of its own
-(``vllm_runner.py``): its process and signal handling stay out of pytest's, and
-all of an engine's memory and Ray processes go when it exits."""
+(``python -m tests.support.vllm_runner``): its process and signal handling stay
+out of pytest's, and all of an engine's memory and Ray processes go when it
+exits."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-RUNNER = Path(__file__).resolve().parent / "vllm_runner.py"
+RUNNER = "tests.support.vllm_runner"
 E2E_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
@@ -38,7 +39,9 @@ def run_vllm(tmp_path: Path, name: str, timeout: int = 900, expect_failure: bool
     req_path.write_text(json.dumps(request))
     log_path = tmp_path / f"{name}.log"
     with open(log_path, "w") as log:
-        proc = subprocess.run([sys.executable, str(RUNNER), str(req_path), str(out_path)],
+        # a module, not a script: a script's own folder would come first on the path of
+        # the engine and of the Ray actor, where a support module could shadow a package
+        proc = subprocess.run([sys.executable, "-m", RUNNER, str(req_path), str(out_path)],
                               stdout=log, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO,
                               env=runner_env())
     if expect_failure:

@@ -19,7 +19,8 @@ def sampling_metadata(temperatures, seed=None, max_num_logprobs=None):
         prompt_token_ids=None, frequency_penalties=torch.zeros(n),
         presence_penalties=torch.zeros(n), repetition_penalties=torch.ones(n),
         output_token_ids=[[] for _ in range(n)], allowed_token_ids_mask=None,
-        bad_words_token_ids={}, logitsprocs=LogitsProcessors(), spec_token_ids=[[] for _ in range(n)])
+        bad_words_token_ids={}, logitsprocs=LogitsProcessors(),
+        spec_token_ids=[[] for _ in range(n)])
 
 
 def spec_metadata(drafts):

@@ -1,6 +1,6 @@
 """Run one vLLM engine in its own process and write what it generated as JSON.
 
-    python tests/support/vllm_runner.py request.json result.json
+    python -m tests.support.vllm_runner request.json result.json   (in the repository)
 
 request.json: {"target", "prompts" (chat-formatted text), "max_tokens",
 "temperature", "top_p", "speculative_config" (or null), "env" (extra
