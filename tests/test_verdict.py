@@ -66,6 +66,17 @@ def test_at_batch_1_a_verdict_against_the_model_holds_for_its_request_only():
     assert chosen[0] == MODEL and chosen[-1] == MODEL  # b drafts, and keeps drafting
 
 
+def test_at_batch_1_the_next_request_judges_the_model_against_the_mode_before_on_itself():
+    """A request that copies its prompt (lookups at 9 tokens a step) must not keep the
+    model off on the next one, where the model makes 5 and lookups 3."""
+    v = Verdict(trial_steps=4, warmup_steps=0, retry_every=1000)
+    run(v, 1, 20, {MODEL: 1, LOOKUP: 9, PLAIN: 2}, key="a")
+    assert v.peek(1, key="a") == LOOKUP
+    chosen = run(v, 1, 14, {MODEL: 5, LOOKUP: 3, PLAIN: 2}, key="b")
+    assert chosen == [MODEL] * 4 + [LOOKUP] * 4 + [MODEL] * 6
+    assert v.log[-1][2:4] == (MODEL, "verdict")
+
+
 def test_sampled_steps_are_judged_apart_from_greedy_ones():
     v = Verdict(trial_steps=4, warmup_steps=0, retry_every=1000)
     run(v, 1, 20, {MODEL: 3, LOOKUP: 2, PLAIN: 1})

@@ -26,7 +26,8 @@ each a named number of :class:`Verdict`:
    other modes at once, the model only where it started in it.
 4. At batch 1 a verdict against the model holds for its request only
    (requests differ far more than modes do on one request): the next request
-   starts on a trial of the model.
+   starts on a trial of the model, then of the mode before it, and the two are
+   judged on that request.
 """
 
 from __future__ import annotations
@@ -89,8 +90,10 @@ class Verdict:
             self._start(b)
         elif self._scope.get(b, key) != key:  # rule 4: a new request, the model on trial
             del self._scope[b]
-            self._round[b] = (self._mode[b], [])
+            # then the mode before, afresh: both judged on this request
+            self._round[b] = (self._mode[b], [self._mode[b]])
             self._switch(b, MODEL, "next request")
+            self._run[b] = 0  # counted below
         run = self._run[b] = self._run[b] + 1
         due = run > self.trial_steps + (self.warmup_steps if self._mode[b] == MODEL else 0)
         if due and b in self._round:
