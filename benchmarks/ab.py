@@ -16,15 +16,15 @@ drafts; the same after DuoProposer's ``ray.init``; and beside an idle draft
 actor), to find what DuoProposer costs when it drafts nothing.
 
 Arms of the DuoProposer engine (applied through ``collective_rpc``; each arm
-keeps a gate of its own, so one arm's verdicts do not steer another's):
+keeps a verdict of its own, so one arm's verdicts do not steer another's):
 
     on        DuoProposer as shipped
     off       drafting held off (``DuoProposer.hold``): vLLM's speculative step with
               empty drafts, the draft actor idle; what DuoProposer costs when it drafts
               nothing
     nolookup  no lookup drafts
-    reach0    the gate: every batch-size bucket above batch 1 starts plain
-    reach1    the gate: a win carries one bucket up (shipped: two)
+    reach0    the verdict: every batch-size bucket above batch 1 starts without the model
+    reach1    the verdict: a win carries one bucket up (shipped: two)
 
 One DuoProposer arm besides ``off`` per run: the draft side keeps what it
 evaluated of a prompt, so a second drafting arm would find the round's prompts
@@ -49,8 +49,8 @@ ARMS = {
     "on": {},
     "off": {"hold": True},
     "nolookup": {"lookup": False},
-    "reach0": {"gate": {"reach": 0}},
-    "reach1": {"gate": {"reach": 1}},
+    "reach0": {"verdict": {"reach": 0}},
+    "reach1": {"verdict": {"reach": 1}},
 }
 
 
@@ -58,13 +58,13 @@ def _setter(name: str, settings: dict):
     """A function for ``collective_rpc``: put the duo engine's proposer in arm ``name``."""
 
     def apply(worker):
-        from duo_vllm.control.gate import DraftGate
+        from duo_vllm.control.verdict import Verdict
 
         p = worker.model_runner.drafter
-        ab = p.__dict__.setdefault("_ab", {"lookup": p.lookup, "gates": {}})
-        if name not in ab["gates"]:
-            ab["gates"][name] = DraftGate(**settings.get("gate", {}))
-        p.gate = ab["gates"][name]
+        ab = p.__dict__.setdefault("_ab", {"lookup": p.lookup, "verdicts": {}})
+        if name not in ab["verdicts"]:
+            ab["verdicts"][name] = Verdict(p.verdict.modes, **settings.get("verdict", {}))
+        p.verdict = ab["verdicts"][name]
         p.lookup = ab["lookup"] if settings.get("lookup", True) else None
         p.hold(settings.get("hold", False))
         return True
