@@ -4,7 +4,6 @@ Fakes only: no model, no vLLM, no Ray.
 """
 
 import pickle
-import threading
 
 import numpy as np
 import pytest

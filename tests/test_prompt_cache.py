@@ -6,7 +6,6 @@ import pytest
 from duo_vllm.draft.drafter import DraftPolicy, DuoDrafter
 from duo_vllm.control.drafting import MIN_RESTORE, restore_pays
 from duo_vllm.draft.prompt_cache import PromptCache
-from duo_vllm.draft.slots import SlotPool
 from duo_vllm.runtime.message import StepRequest
 from tests.support.fakes import FakeBackend
 
