@@ -1,7 +1,7 @@
 """The verdict (duo_vllm/control/verdict.py): the fastest measured mode per batch size,
 driven by hand-built rates (tokens per step at a fixed step time)."""
 
-from duo_vllm.control.verdict import LOOKUP, MODEL, PLAIN, Verdict, wins
+from duo_vllm.control.verdict import LOOKUP, MODEL, PLAIN, Verdict, capped, wins
 
 
 def run(v: Verdict, batch: int, steps: int, rate: dict, key=None, sampled=False) -> list:
@@ -97,3 +97,8 @@ def test_the_model_s_warm_up_steps_are_not_measured():
     v.choose(1)
     assert not v.observe(1, MODEL, 1, 0.1)  # the draft is catching up
     assert v.observe(1, LOOKUP, 1, 0.1)
+
+
+def test_the_cap_is_the_users_max_batch():
+    assert capped(9, 8) and not capped(8, 8) and not capped(64, None)
+    assert not capped(None, 8)  # a step of unknown size is not capped

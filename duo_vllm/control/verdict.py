@@ -47,6 +47,11 @@ def wins(rival: float | None, incumbent: float | None, margin: float) -> bool:
     return incumbent is None or rival > incumbent * (1 + margin)
 
 
+def capped(batch: int | None, max_batch: int | None) -> bool:
+    """The user's cap (``max_batch``): above it a step is plain decoding, no verdict."""
+    return max_batch is not None and (batch or 0) > max_batch
+
+
 def tokens_per_s(tokens: float, seconds: float) -> float | None:
     """A measured rate; None before any time was measured."""
     return tokens / seconds if seconds > 0 else None

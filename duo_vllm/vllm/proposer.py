@@ -27,7 +27,7 @@ from duo_vllm.runtime.actor import DraftWorker
 from duo_vllm.runtime.client import ActorClient
 from duo_vllm.runtime.delta import DeltaSender
 from duo_vllm.control.serving import Hint, serve
-from duo_vllm.control.verdict import LOOKUP, MODEL, PLAIN, Verdict
+from duo_vllm.control.verdict import LOOKUP, MODEL, PLAIN, Verdict, capped
 from duo_vllm.sources.lookup import ContextLookup
 from duo_vllm.vllm import rows as rows_of
 from duo_vllm.vllm.draft_side import DraftSide
@@ -250,8 +250,7 @@ class DuoProposer(DraftSide, CoreLending):
         """Is a step of ``batch`` requests above ``max_batch``? Then it is plain decoding
         with no draft work at all: no lookups, no actor call (but one to drop the draft's
         background work as the cap is crossed), the draft's cores lent to the target."""
-        cap = self.config.max_batch
-        if cap is None or batch <= cap:
+        if not capped(batch, self.config.max_batch):
             return False
         if not self._capped:
             self._capped = True
@@ -351,7 +350,7 @@ class DuoProposer(DraftSide, CoreLending):
         self._new_requests = True
         if self._passive or not self._prefetch or self._failed or self._held:
             return
-        if self.config.max_batch is not None and (batch or 0) > self.config.max_batch:
+        if capped(batch, self.config.max_batch):
             return  # above the cap: no draft work (propose() lends the cores)
         new_reqs = [r for r in new_reqs if self.config.draft_seeded or not rows_of.seeded(r)]
         if not new_reqs:  # none the draft will see (seeded: decoded without drafts)
