@@ -122,10 +122,6 @@ class Verdict:
             return MODEL
         return self._mode[b]
 
-    def trying(self, batch: int, sampled: bool = False) -> bool:
-        """Is a round of trials under way at this batch size?"""
-        return self.bucket(batch, sampled) in self._round
-
     def observe(self, batch: int, mode: str, tokens: int, seconds: float,
                 sampled: bool = False) -> bool:
         """A step of ``batch`` requests in ``mode`` produced ``tokens`` in ``seconds``.

@@ -81,8 +81,7 @@ class DuoProposer(DraftSide, CoreLending):
         if cfg.lookup:
             self.lookup = ContextLookup(cfg.lookup_min, cfg.lookup_max)
         self.model_path = None
-        if cfg.lookup_only:
-            self._mode, self._on = LOOKUP, False  # no draft model
+        if cfg.lookup_only:  # (the verdict's modes have no model: _init_step_state)
             logger.info("DuoProposer: lookup drafts only (lookup_only): no draft model, no "
                         "draft actor; the target keeps every core")
         else:
