@@ -261,7 +261,7 @@ def build_serve_command(argv: list[str], environ: dict | None = None, default_mo
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from duo_vllm.config import forward_to_ray_workers
 
-    env = forward_to_ray_workers(env)  # $DUO_VLLM_CONFIG under vLLM's legacy Ray executor
+    env = forward_to_ray_workers(env)  # $DUO_VLLM_CONFIG under Ray data-parallel engines
     vllm_args = list(passthrough)
     if model is None and not _has_flag(passthrough, "--model"):
         if default_model is None:

@@ -378,8 +378,8 @@ RAY_EXTRA_ENV = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
 
 
 def forward_to_ray_workers(env: dict[str, str]) -> dict[str, str]:
-    """``env`` with ``DUO_VLLM_CONFIG``, when set, added to ``RAY_EXTRA_ENV``: vLLM's legacy
-    Ray executor and Ray data-parallel engines copy only the variables it names (besides
+    """``env`` with ``DUO_VLLM_CONFIG``, when set, added to ``RAY_EXTRA_ENV``: Ray data-parallel
+    engines (and vLLM 0.32's legacy Ray executor) copy only the variables it names (besides
     vLLM's own), read from the environment vLLM starts with."""
     if not env.get(ENV_VAR):
         return env
