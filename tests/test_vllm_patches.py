@@ -7,6 +7,19 @@ from duo_vllm.vllm.patches import expand_kernel_impl
 from tests.support.vllm_metadata import sampling_metadata, spec_metadata
 
 
+def needs_vllm_cpu(what: str) -> None:
+    """Skip unless vLLM is the CPU build: ``what`` exists only there (on CUDA vLLM, as in
+    the upstream lane, Triton runs these kernels, and only on a GPU)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip(f"needs vLLM-CPU's {what}; this vLLM's platform is "
+                    f"{type(current_platform).__name__}")
+
+
+REJECTION_KERNELS = "CPU rejection-sampler kernels (CpuPlatform.register_triton_kernel_overrides)"
+
+
 def expand_case(dtype):
     x = torch.tensor([0.7, -1.0, 1.3], dtype=dtype)
     cu = torch.tensor([2, 5, 6], dtype=torch.int32)
@@ -26,17 +39,15 @@ def test_fixed_expand_matches_the_kernel_contract():
 
 def test_vllm_cpu_expand_drops_its_output_and_the_fix_is_installed():
     cpu_tl = pytest.importorskip("vllm.utils.cpu_triton_utils")
+    needs_vllm_cpu("torch.ops._C.expand_kernel_impl")
     import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
+    from vllm.platforms import current_platform
 
     x, cu, out = expand_case(torch.float32)
     cpu_tl._expand_kernel_impl(out, x, cu, -1, 1)  # as vLLM calls it for temperature
     # the bug this fix exists for: nothing was written
     assert out.tolist() == [42.0] * 6
 
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        pytest.skip("the override only exists on vLLM's CPU platform")
     current_platform.register_triton_kernel_overrides()
     from duo_vllm.vllm.patches import fix_cpu_expand_kernel
     from vllm.v1.sample import rejection_sampler as rs
@@ -403,6 +414,7 @@ def test_vllms_samplers_agree_on_a_step_without_drafts(temps):
     its plain sampler draws from the same logits (greedy rows: the argmax; seeded
     sampled rows: the same draw)."""
     rs = pytest.importorskip("vllm.v1.sample.rejection_sampler")
+    needs_vllm_cpu(REJECTION_KERNELS)
     from vllm.v1.sample.sampler import Sampler
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
@@ -443,6 +455,7 @@ def _unwrapped(fn):
 def _cpu_rejection_kernels():
     """vLLM-CPU's kernels for the rejection sampler, as its platform registers them at
     start-up (once: a second registration would undo the expand fix), then the fix."""
+    needs_vllm_cpu(REJECTION_KERNELS)
     from vllm.platforms.cpu import CpuPlatform
     from vllm.triton_utils import dispatcher
 
