@@ -146,11 +146,15 @@ def test_propose_is_called_as_duo_proposer_takes_it():
         None, sampled_token_ids=0, num_tokens_no_spec=0, token_ids_cpu=0, slot_mappings=0)
 
 
-def test_input_batch_has_what_the_proposer_reads():
+def test_input_batch_has_what_the_proposer_reads(monkeypatch):
     """token_ids_cpu (a numpy array), num_tokens_no_spec, req_ids, temperature_cpu."""
     import torch
     from vllm import SamplingParams
+    from vllm.v1.worker import gpu_input_batch
     from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+    # CUDA vLLM without a GPU (the upstream lane) would pin host memory: no driver to ask
+    monkeypatch.setattr(gpu_input_batch, "PIN_MEMORY", False)
 
     batch = InputBatch(max_num_reqs=2, max_model_len=16, max_num_batched_tokens=32,
                        device=torch.device("cpu"), vocab_size=100, block_sizes=[16],
