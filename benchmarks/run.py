@@ -33,7 +33,6 @@ Methods (2-core machine: DuoProposer's target on core 0, its draft on core 1):
   duo-lend-nolookup  duo-lend without lookup drafts
   duo-lookup-only  DuoProposer with lookup drafts alone (lookup_only: no draft model, no
                actor), target on all cores: what the lookups give without the model
-  duo-lend-rpc       duo-lend, vLLM's engine core asking for the drafts after each step
   duo-lend-nogate  duo-lend without the gate: the draft model drafts at every step (the
                gate's ablation)
   duo-lend-nogate-base  the same from the source tree DUO_BASE_SRC (a drafter change's
@@ -90,11 +89,6 @@ METHODS = {
                                                       "budget": "auto"}),
     "duo-full-base": dict(bind="0", base=True, duo={"parallel": True, "multi_sequence": True,
                                                     "budget": "auto"}),
-    # duo-lend with vLLM's engine core asking the worker for the drafts after each step
-    # (duo_vllm's vllm.general_plugins entry point not loaded: duo_vllm/vllm/drafts_out.py)
-    "duo-lend-rpc": dict(bind="0-1", no_plugin=True, duo={"parallel": True,
-                                                          "multi_sequence": True,
-                                                          "budget": "auto"}),
     # the gate's ablation: the draft model on at every step, lent only on idle steps
     "duo-lend-nogate": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
                                              "budget": "auto", "gate": False}),
@@ -125,6 +119,9 @@ METHODS = {
     "spec-empty": dict(bind="0", spec={"model": "benchmarks.oracle.EmptyProposer",
                                        "num_speculative_tokens": K}),
     "plain-all-iomp": dict(bind="0-1", spec=None, iomp=True),
+    # duo-lend with the batch cap at 1 (max_batch): no draft work above batch 1
+    "duo-lend-cap1": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
+                                           "budget": "auto", "max_batch": 1}),
     "duo-lend-iomp": dict(bind="0-1", iomp=True, duo={"parallel": True, "multi_sequence": True,
                                                       "budget": "auto"}),
     "spec-empty-all": dict(bind="0-1", spec={"model": "benchmarks.oracle.EmptyProposer",
@@ -233,89 +230,121 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
     }
 
 
-def worker(req_path: str, out_path: str) -> None:
-    req = json.loads(Path(req_path).read_text())
+def open_engine(req: dict):
+    """The method's engine, warmed up: (llm, is_duo)."""
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # stats from the local worker
-    from tqdm import tqdm
-    from vllm import LLM, SamplingParams
-
-    from duo_vllm.cli import draft_stats, spec_decode_metrics
+    from vllm import LLM
 
     llm = LLM(model=req["target"], max_model_len=2048, seed=0, dtype=req["dtype"],
               speculative_config=req["spec"], disable_log_stats=False,
               enforce_eager=req["eager"])
     is_duo = bool(req["spec"]) and req["spec"].get("model") == "duo_vllm.DuoProposer"
+    llm.generate(req["prompts"][:1], _params(req, 0.0), use_tqdm=False)  # warm-up
+    return llm, is_duo
+
+
+def _params(req: dict, temperature: float):
+    from vllm import SamplingParams
+
+    # no seed: DuoProposer leaves a seeded sampled request undrafted, to keep its
+    # tokens reproducible (draft_seeded); sampled traffic is mostly unseeded.
+    # Sampled requests run to max_tokens (ignore_eos, as vLLM's throughput benchmark
+    # does): each method draws other samples, and a batch's tokens/s would
+    # otherwise measure how long they happened to be (one batch of 4 at 0.7 gave
+    # 330 tokens in 3.62 s and 512 in 3.52 s; plain vLLM's two gave 416 and 418)
+    return SamplingParams(temperature=temperature, max_tokens=req["max_tokens"],
+                          ignore_eos=temperature > 0)
+
+
+def measure(llm, is_duo: bool, req: dict, shape: dict, repeats, bar=None) -> dict:
+    """One shape on a warm engine, once per repeat in ``repeats`` (their numbers tag the
+    rows): the rows, vLLM's speculative counters and the draft side's counters over it."""
+    from duo_vllm.cli import draft_stats, spec_decode_metrics
+
     prompts, tasks = req["prompts"], req["tasks"]
-
-    def params(temperature):
-        # no seed: DuoProposer leaves a seeded sampled request undrafted, to keep its
-        # tokens reproducible (draft_seeded); sampled traffic is mostly unseeded.
-        # Sampled requests run to max_tokens (ignore_eos, as vLLM's throughput benchmark
-        # does): each method draws other samples, and a batch's tokens/s would
-        # otherwise measure how long they happened to be (one batch of 4 at 0.7 gave
-        # 330 tokens in 3.62 s and 512 in 3.52 s; plain vLLM's two gave 416 and 418)
-        return SamplingParams(temperature=temperature, max_tokens=req["max_tokens"],
-                              ignore_eos=temperature > 0)
-
-    llm.generate(prompts[:1], params(0.0), use_tqdm=False)  # warm-up, not counted
-    shapes = []
-    work = sum((len(prompts) if s["batch"] == 1 else 1) * req["repeats"] for s in req["shapes"])
-    bar = tqdm(total=work, desc=req["name"], unit="gen", file=sys.stderr, mininterval=5)
-    for shape in req["shapes"]:
-        batch, temp = shape["batch"], shape["temperature"]
-        spec_before, duo_before = spec_decode_metrics(llm), draft_stats(llm) if is_duo else None
-        rows = []
-        for rep in range(req["repeats"]):
-            if batch == "staggered":
-                rows.append(staggered(llm, prompts, shape, params(temp), rep))
-                bar.update()
-            elif batch == 1:
-                for j, prompt in enumerate(prompts):
-                    # with --timeline: each step, and what the draft side did (its
-                    # counters read outside the timed request)
-                    before = draft_stats(llm) if req.get("timeline") and is_duo else None
-                    steps = None
-                    t0 = time.perf_counter()
-                    if req.get("timeline"):
-                        outs, steps = stepped(llm, [prompt], [params(temp)],
-                                              f"r{rep}-{j}")
-                        out = outs[0]
-                    else:
-                        out = llm.generate([prompt], params(temp),
-                                           use_tqdm=False)[0]
-                    dt = time.perf_counter() - t0
-                    m = getattr(out, "metrics", None)
-                    rows.append({"prompt": j, "task": tasks[j], "repeat": rep,
-                                 "tokens": len(out.outputs[0].token_ids), "seconds": dt,
-                                 "ttft_s": getattr(m, "first_token_latency", None),
-                                 "steps": steps,
-                                 "duo": None if before is None
-                                 else _stats_delta(before, draft_stats(llm)),
-                                 "token_ids": [list(out.outputs[0].token_ids)],
-                                 "prompt_ids": [list(out.prompt_token_ids)] if rep == 0 else None})
-                    bar.update()
-            else:
-                idx = [i % len(prompts) for i in range(batch)]
-                batch_prompts = [prompts[i] for i in idx]
-                batch_params = [params(temp)] * batch
+    batch, temp = shape["batch"], shape["temperature"]
+    params = _params(req, temp)
+    spec_before, duo_before = spec_decode_metrics(llm), draft_stats(llm) if is_duo else None
+    rows = []
+    for rep in repeats:
+        if batch == "staggered":
+            rows.append(staggered(llm, prompts, shape, params, rep))
+        elif batch == 1:
+            for j, prompt in enumerate(prompts):
+                # with --timeline: each step, and what the draft side did (its
+                # counters read outside the timed request)
+                before = draft_stats(llm) if req.get("timeline") and is_duo else None
+                steps = None
                 t0 = time.perf_counter()
                 if req.get("timeline"):
-                    outs, steps = stepped(llm, batch_prompts, batch_params, f"b{rep}")
+                    outs, steps = stepped(llm, [prompt], [params], f"r{rep}-{j}")
+                    out = outs[0]
                 else:
-                    outs, steps = llm.generate(batch_prompts, batch_params, use_tqdm=False), None
+                    out = llm.generate([prompt], params, use_tqdm=False)[0]
                 dt = time.perf_counter() - t0
-                rows.append({"repeat": rep, "tokens": sum(len(o.outputs[0].token_ids)
-                                                          for o in outs), "seconds": dt,
-                             "token_ids": [list(o.outputs[0].token_ids) for o in outs],
-                             "prompt_ids": [list(o.prompt_token_ids) for o in outs]
-                             if rep == 0 else None, "steps": steps})
-                bar.update()
-        after = spec_decode_metrics(llm)
-        spec = {k: after[k] - spec_before[k] for k in ("drafts", "proposed", "accepted")}
-        shapes.append({**shape, "rows": rows, "spec": spec,
-                       "duo": _stats_delta(duo_before, draft_stats(llm)) if is_duo else None})
+                m = getattr(out, "metrics", None)
+                rows.append({"prompt": j, "task": tasks[j], "repeat": rep,
+                             "tokens": len(out.outputs[0].token_ids), "seconds": dt,
+                             "ttft_s": getattr(m, "first_token_latency", None),
+                             "steps": steps,
+                             "duo": None if before is None
+                             else _stats_delta(before, draft_stats(llm)),
+                             "token_ids": [list(out.outputs[0].token_ids)],
+                             "prompt_ids": [list(out.prompt_token_ids)] if rep == 0 else None})
+                if bar is not None:
+                    bar.update()
+            continue
+        else:
+            idx = [i % len(prompts) for i in range(batch)]
+            batch_prompts = [prompts[i] for i in idx]
+            t0 = time.perf_counter()
+            if req.get("timeline"):
+                outs, steps = stepped(llm, batch_prompts, [params] * batch, f"b{rep}")
+            else:
+                outs, steps = llm.generate(batch_prompts, [params] * batch,
+                                           use_tqdm=False), None
+            dt = time.perf_counter() - t0
+            rows.append({"repeat": rep, "tokens": sum(len(o.outputs[0].token_ids)
+                                                      for o in outs), "seconds": dt,
+                         "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+                         "prompt_ids": [list(o.prompt_token_ids) for o in outs]
+                         if rep == 0 else None, "steps": steps})
+        if bar is not None:
+            bar.update()
+    after = spec_decode_metrics(llm)
+    spec = {k: after[k] - spec_before[k] for k in ("drafts", "proposed", "accepted")}
+    return {**shape, "rows": rows, "spec": spec,
+            "duo": _stats_delta(duo_before, draft_stats(llm)) if is_duo else None}
+
+
+def worker(req_path: str, out_path: str) -> None:
+    """Every shape in one fresh engine, ``repeats`` times each (the sequential mode)."""
+    from tqdm import tqdm
+
+    req = json.loads(Path(req_path).read_text())
+    llm, is_duo = open_engine(req)
+    prompts = req["prompts"]
+    work = sum((len(prompts) if s["batch"] == 1 else 1) * req["repeats"] for s in req["shapes"])
+    bar = tqdm(total=work, desc=req["name"], unit="gen", file=sys.stderr, mininterval=5)
+    shapes = [measure(llm, is_duo, req, shape, range(req["repeats"]), bar)
+              for shape in req["shapes"]]
     bar.close()
     Path(out_path).write_text(json.dumps({"shapes": shapes}))
+
+
+def serve_worker(req_path: str, ready_path: str) -> None:
+    """The interleaved mode's engine: open and warm it, say so in ``ready_path``, then
+    measure one shape per line of stdin (``{"shape": i, "round": r, "out": path}``),
+    each answer written to its ``out`` path (atomically), until stdin closes."""
+    req = json.loads(Path(req_path).read_text())
+    llm, is_duo = open_engine(req)
+    Path(ready_path).write_text("ready")
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        shape = measure(llm, is_duo, req, req["shapes"][cmd["shape"]], [cmd["round"]])
+        tmp = Path(cmd["out"] + ".tmp")
+        tmp.write_text(json.dumps(shape))
+        tmp.rename(cmd["out"])
 
 
 def stepped(llm, prompts, params, tag: str):
@@ -422,46 +451,76 @@ def _failure_reason(log: str) -> str:
     return (lines[-1] if lines else "no output")[-400:]
 
 
-def run_method(name: str, target: str, prompts, tasks, args, workdir: Path,
-               oracle_file: Path | None, draft: str | None = None) -> dict:
+def base_method(name: str) -> str:
+    """A method's name without its engine number: ``plain-all~2`` (the control pair's
+    second engine of ``plain-all``) is ``plain-all``."""
+    return name.split("~")[0]
+
+
+def engine_request(name: str, target: str, prompts, tasks, args, workdir: Path,
+                   oracle_file: Path | None, draft: str | None = None):
+    """What the method's engine process gets: (request file, environment, cwd), or
+    (None, reason, None) where it cannot run here."""
+    m = METHODS[base_method(name)]
     req = {"name": name, "target": target, "prompts": prompts, "tasks": tasks,
-           "spec": method_spec(name, target, draft, args.k, args.lookup_k), "max_tokens": args.max_tokens,
-           "dtype": args.dtype, "repeats": args.repeats, "shapes": shapes_of(args),
-           "eager": args.eager, "timeline": args.timeline}
-    req_path, out_path = workdir / f"{name}.req.json", workdir / f"{name}.out.json"
+           "spec": method_spec(base_method(name), target, draft, args.k, args.lookup_k),
+           "max_tokens": args.max_tokens, "dtype": args.dtype, "repeats": args.repeats,
+           "shapes": shapes_of(args), "eager": args.eager, "timeline": args.timeline}
+    req_path = workdir / f"{name}.req.json"
     req_path.write_text(json.dumps(req))
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=METHODS[name]["bind"],
-               VLLM_CPU_KVCACHE_SPACE="2")
-    if METHODS[name].get("iomp"):
+    # interleaved engines are all alive at once: a smaller KV cache each
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=m["bind"],
+               VLLM_CPU_KVCACHE_SPACE="1" if getattr(args, "interleave", 0) else "2")
+    if m.get("iomp"):
         iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
         if not iomp.is_file():
-            return {"available": False, "reason": f"no {iomp} (pip install intel-openmp)"}
+            return None, f"no {iomp} (pip install intel-openmp)", None
         env["LD_PRELOAD"] = " ".join(filter(None, [str(iomp), env.get("LD_PRELOAD", "")]))
     if oracle_file is not None:
         env["DUO_ORACLE_FILE"] = str(oracle_file)
     cwd = None
-    if METHODS[name].get("base"):  # that tree's duo_vllm and benchmarks, in the engine too
+    if not m.get("base"):  # benchmarks.oracle's proposers, for the engine core too
+        root = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))
+    else:  # that tree's duo_vllm in the engine (this tree's worker code)
         cwd = os.environ.get("DUO_BASE_SRC")
         if not cwd or not (Path(cwd) / "duo_vllm").is_dir():
-            return {"available": False, "reason": "DUO_BASE_SRC names no source tree"}
+            return None, "DUO_BASE_SRC names no source tree", None
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, env.get("PYTHONPATH", "")]))
         if not any((Path(cwd) / "duo_vllm" / p).is_file()
                    for p in ("plugin.py", "vllm/plugin.py")):
             env["VLLM_PLUGINS"] = ""  # that tree has no vLLM plugin for the entry point
-    if METHODS[name].get("no_plugin"):
+    if m.get("no_plugin"):
         env["VLLM_PLUGINS"] = ""  # vLLM loads no general plugin, duo_vllm's included
+    return req_path, env, cwd
+
+
+def worker_command(*args: str) -> list[str]:
+    """This file run as a script (not ``-m``): a base engine's cwd and PYTHONPATH then
+    bring that tree's duo_vllm, while the worker code stays this tree's."""
+    return [sys.executable, str(Path(__file__).resolve()), *args]
+
+
+def run_method(name: str, target: str, prompts, tasks, args, workdir: Path,
+               oracle_file: Path | None, draft: str | None = None) -> dict:
+    req_path, env, cwd = engine_request(name, target, prompts, tasks, args, workdir,
+                                        oracle_file, draft)
+    if req_path is None:
+        return {"available": False, "reason": env}
+    spec = json.loads(req_path.read_text())["spec"]
+    out_path = workdir / f"{name}.out.json"
     log_path = workdir / f"{name}.log"
     t0 = time.time()
     with open(log_path, "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--worker",
-                               str(req_path.resolve()), str(out_path.resolve())], env=env,
+        proc = subprocess.run(worker_command("--worker", str(req_path.resolve()),
+                                             str(out_path.resolve())), env=env,
                               stdout=log, stderr=subprocess.STDOUT, timeout=args.method_timeout,
                               cwd=cwd)
     if proc.returncode != 0:
         return {"available": False, "reason": _failure_reason(log_path.read_text()),
-                "spec": req["spec"], "log": str(log_path)}
+                "spec": spec, "log": str(log_path)}
     out = json.loads(out_path.read_text())
-    return {"available": True, "spec": req["spec"], "bind": METHODS[name]["bind"],
+    return {"available": True, "spec": spec, "bind": METHODS[base_method(name)]["bind"],
             "wall_s": time.time() - t0, **out}
 
 
@@ -569,7 +628,8 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
     lines = [f"Machine: {m['cpu_model']}, {m['cores']} cores, {m.get('gpu') or 'no GPU'}. "
              f"{meta['pair_note']}. {meta['prompts']} Spec-Bench prompts "
              f"({meta['per_task']} per task), {meta['max_tokens']} new tokens, "
-             f"{meta['repeats']} repeat(s)"
+             + (f"{meta['interleave']} interleaved rounds" if meta.get("interleave")
+                else f"{meta['repeats']} repeat(s)")
              + (", eager engines (no torch.compile)" if meta["eager"] else "")
              + "; tok/s are medians (spread min-max), speedups are ratios of medians from "
              "this run.", ""]
@@ -760,6 +820,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["--worker"]:
         worker(argv[1], argv[2])
         return 0
+    if argv[:1] == ["--serve-worker"]:
+        serve_worker(argv[1], argv[2])
+        return 0
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
@@ -797,7 +860,16 @@ def main(argv=None) -> int:
                     "DuoProposer's lookup); DuoProposer's draft model still drafts at most --k")
     ap.add_argument("--draft", help="draft GGUF for the DuoProposer methods "
                     "(default: the pair's draft)")
+    ap.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                    help="interleaved engines (benchmarks/interleave.py): every engine warm "
+                    "at once, each round every shape on each engine in turn; ratios are "
+                    "medians of per-round ratios. Replaces --repeats")
+    ap.add_argument("--control", choices=list(METHODS),
+                    help="with --interleave: a second engine of this method (METHOD~2), "
+                    "whose ratio to the first is the run's resolution")
     args = ap.parse_args(argv)
+    if args.control and not args.interleave:
+        ap.error("--control needs --interleave")
     if args.quick:
         args.per_task, args.max_tokens, args.repeats = 1, 32, 1
         args.batch_sizes, args.temperatures, args.eager = [1, 4], [0.0, 0.7], True
@@ -828,8 +900,19 @@ def main(argv=None) -> int:
     methods = list(args.methods)
     if "oracle" in methods and "plain-1core" not in methods:
         methods.insert(0, "plain-1core")  # the oracle replays its output
+    if args.control:
+        if args.control not in methods:
+            methods.insert(0, args.control)
+        methods.insert(methods.index(args.control) + 1, f"{args.control}~2")
     results, oracle_file = {}, None
-    for name in tqdm(methods, desc="methods", file=sys.stderr):
+    if args.interleave:
+        from .interleave import run_interleaved
+
+        if "oracle" in methods:
+            ap.error("the oracle replays plain-1core's output: not with --interleave")
+        results = run_interleaved(methods, target, prompts, tasks, args, work, draft,
+                                  log=lambda m: print(m, file=sys.stderr))
+    for name in tqdm([] if args.interleave else methods, desc="methods", file=sys.stderr):
         results[name] = run_method(name, target, prompts, tasks, args, work,
                                    oracle_file if name == "oracle" else None, draft)
         r = results[name]
@@ -837,17 +920,25 @@ def main(argv=None) -> int:
                                           else f"unavailable: {r['reason']}"), file=sys.stderr)
         if name == "plain-1core" and r["available"]:
             oracle_file = write_oracle(r, work)
-        for shape in r.get("shapes", []):  # kept in engines/<method>.out.json only
+    for r in results.values():  # kept in engines/<method>.out.json only
+        for shape in r.get("shapes", []):
             for row in shape["rows"]:
                 row.pop("prompt_ids", None)
-    meta = {"machine": {**machine_info(), "binding": {n: METHODS[n]["bind"] for n in methods},
+    meta = {"machine": {**machine_info(),
+                        "binding": {n: METHODS[base_method(n)]["bind"] for n in methods},
                         "draft_cores": [1]},
             "pair": args.pair, "pair_note": pair_note, "target": target, "draft": draft,
             "draft_sha256": file_sha256(draft), **provenance, "prompts": len(prompts),
             "per_task": args.per_task, "max_tokens": args.max_tokens, "repeats": args.repeats,
-            "shapes": shapes_of(args), "k": args.k, "lookup_k": args.lookup_k, "dtype": args.dtype, "eager": args.eager}
+            "shapes": shapes_of(args), "k": args.k, "lookup_k": args.lookup_k, "dtype": args.dtype, "eager": args.eager,
+            "interleave": args.interleave}
     summary = summarise(results)
     table = markdown(summary, results, meta)
+    if args.interleave:
+        from .interleave import markdown as interleaved_markdown, paired
+
+        table = interleaved_markdown(results, args.interleave) + "\n" + table
+        meta["interleaved"] = {b: paired(results, b) for b in ("plain-all", "plain-1core")}
     made = plots(summary, out_dir)
     (out_dir / "results.json").write_text(json.dumps(
         {"meta": meta, "summary": summary, "results": results}, indent=1))

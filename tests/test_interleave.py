@@ -1,0 +1,52 @@
+"""benchmarks/interleave.py: per-round ratios, the control pair, merging rounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.interleave import _merge, markdown, paired
+
+
+def _method(speeds: dict, latency: float | None = None) -> dict:
+    """One method's results: batch 4 greedy at ``speeds[round]`` tok/s (100 tokens a
+    round), staggered arrivals with p50 latency ``latency`` times the round's speed."""
+    rows = [{"repeat": r, "tokens": 100, "seconds": 100 / v} for r, v in speeds.items()]
+    shapes = [{"batch": 4, "temperature": 0.0, "rows": rows}]
+    if latency is not None:
+        shapes.append({"batch": "staggered", "temperature": 0.0, "rows": [
+            {"repeat": r, "tokens": 100, "seconds": 10.0, "latency_s": [latency * v] * 3}
+            for r, v in speeds.items()]})
+    return {"available": True, "shapes": shapes}
+
+
+def test_ratios_are_per_round_so_drift_cancels():
+    # the machine slows 2x in round 1; the method stays 10% ahead in every round
+    results = {"plain-all": _method({0: 10.0, 1: 5.0, 2: 10.0}, latency=1.0),
+               "duo-lend": _method({0: 11.0, 1: 5.5, 2: 11.0}, latency=0.5)}
+    entry = paired(results, "plain-all")["batch4-t0"]["duo-lend"]
+    assert entry["tok_s"]["rounds"] == pytest.approx([1.1, 1.1, 1.1])
+    for stat in ("median", "min", "max"):
+        assert entry["tok_s"][stat] == pytest.approx(1.1)
+    lat = paired(results, "plain-all")["batchstaggered-t0"]["duo-lend"]["p50_s"]
+    assert abs(lat["median"] - 0.55) < 1e-9  # 0.5 x 1.1 against 1.0 x 1.0
+
+
+def test_spread_and_rounds_missing_from_the_baseline():
+    results = {"plain-all": _method({0: 10.0, 1: 10.0}),
+               "plain-all~2": _method({0: 9.0, 1: 10.5, 2: 7.0})}
+    entry = paired(results, "plain-all")["batch4-t0"]["plain-all~2"]["tok_s"]
+    assert entry["rounds"] == pytest.approx([0.9, 1.05])  # round 2: no baseline to pair
+    assert (entry["min"], entry["max"]) == pytest.approx((0.9, 1.05))
+    assert "plain-all~2" in markdown(results, 2)
+    assert paired(results, "plain-1core") == {}  # no such engine in the run
+
+
+def test_rounds_merge_into_one_shape():
+    shapes: list = []
+    _merge(shapes, 0, {"rows": [{"repeat": 0}], "spec": {"drafts": 1, "accepted": 2},
+                       "duo": {"x": 1}})
+    _merge(shapes, 0, {"rows": [{"repeat": 1}], "spec": {"drafts": 3, "accepted": 4},
+                       "duo": None})
+    assert [r["repeat"] for r in shapes[0]["rows"]] == [0, 1]
+    assert shapes[0]["spec"] == {"drafts": 4, "accepted": 6}
+    assert shapes[0]["duo"] == {"x": 1}  # the last round that had draft-side counters
