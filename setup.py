@@ -23,8 +23,5 @@ setup(
     },
     entry_points={
         "console_scripts": ["duo-vllm=duo_vllm.cli:main"],
-        # loaded by vLLM in its engine core too (duo_vllm/vllm/plugin.py); inert without
-        # a DuoProposer
-        "vllm.general_plugins": ["duo_vllm = duo_vllm.vllm.plugin:register"],
     },
 )

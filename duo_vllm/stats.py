@@ -58,7 +58,6 @@ class DraftStats:
     busy_s: float = 0.0
     sync_s: float = 0.0  # drafting on the spot while vLLM waited
     sync_calls: int = 0  # steps that drafted on the spot
-    extended: int = 0  # hits drafted on from the end of their branch, on the spot
     started: float | None = None  # the first step
 
     def as_dict(self) -> dict:
@@ -101,5 +100,4 @@ class DraftStats:
             "busy_s": self.busy_s,
             "sync_s": self.sync_s,
             "sync_calls": self.sync_calls,
-            "extended": self.extended,
         }

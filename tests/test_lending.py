@@ -15,6 +15,8 @@ from duo_vllm.host.lending import (ONEDNN_CACHE, MatmulPrimitives, TargetThreads
                               bind_order, lend_plan, lend_prefill, onednn_keys, onednn_linears,
                               remake_pays)
 from duo_vllm.vllm.lender import REMAKE_WEIGHT
+from duo_vllm.sources.base import Sources
+from duo_vllm.vllm.model_source import ModelSource
 from tests.support.proposer_steps import FakeDraftWorker, bare, inputs, on_mode
 from duo_vllm.control.verdict import LOOKUP, MODEL
 
@@ -179,67 +181,14 @@ def test_a_row_count_first_run_lent_or_long_out_of_the_cache_needs_no_refresh():
     assert ops.made_for() == {2}
 
 
-def test_decode_sized_shapes_are_made_for_every_thread_so_lent_steps_need_no_refresh():
+def test_where_a_shapes_layers_differ_in_a_bias_the_caches_hold_half_the_row_counts():
     ops = FakeOps(capacity=16)
     qkv = onednn_layer(ops, "qkv", 960, 576)
     qkv.bias = torch.nn.Parameter(torch.zeros(960), requires_grad=False)  # Qwen's qkv
-    o = onednn_layer(ops, "o", 576, 576)
-    model = torch.nn.ModuleList([qkv, o, onednn_layer(ops, "q2", 960, 576)])
-    prims = MatmulPrimitives(model, capacity=16, warm_rows=16)
-    # a step makes two entries per row count in the (960, 576) cache (with and without
-    # a bias): it holds 8 row counts, and half of them are made up front
-    assert bias_variants(onednn_keys(model)) == 2 and prims.rows_held == 8 and prims.warm_rows == 4
-    ops.threads = 2  # at load, or at a refresh: every thread
-    prims.warm()
-    # the keys a step makes: contiguous rows 1-4, with the layer's bias where it has one
-    assert set(ops.caches[(960, 576, torch.float32)]) == \
-        {(r, 576, b) for r in range(1, 5) for b in (True, False)}
-    assert set(ops.caches[(576, 576, torch.float32)]) == {(r, 576, False) for r in range(1, 5)}
-    assert ops.made_for() == {2} and list(prims.made) == [1, 2, 3, 4]
-
-    def step(rows, lent):
-        ops.threads = 2 if lent else 1
-        remade = prims.before_step(rows, lent)
-        for layer in model:
-            layer.cpu_linear(torch.zeros(rows, 576), None, getattr(layer, "bias", None))
-        return remade
-
-    for rows in (1, 3, 4, 2):  # drafting at batch 1, on one thread: the warm shapes
-        assert not step(rows, lent=False)
-    assert ops.made_for() == {2}  # ... reused, not made anew for one thread
-    assert not any(step(rows, lent=True) for rows in (1, 3, 4))  # lent: nothing to remake
-    assert not step(6, lent=False) and step(6, lent=True)  # a wider one made on one thread
-    assert prims.refreshes == 1 and ops.made_for() == {2}
-    assert all(prims.made[r] for r in range(1, 5))  # the refresh made them again
-    # wider drafting steps push row 1 out of the caches (two entries a step): the model
-    # drops it too, so when drafting makes it anew on one thread, the lent step remakes it
-    for rows in (5, 7, 8, 9, 10, 2, 3, 4):
-        assert not step(rows, lent=False)
-    assert (1, 576, True) not in ops.caches[(960, 576, torch.float32)] and 1 not in prims.made
-    assert not step(1, lent=False) and prims.needs_refresh(1)
-    assert step(1, lent=True) and prims.refreshes == 2 and ops.made_for() == {2}
-
-
-@pytest.mark.expect_swallowed(RuntimeError, reason="the warm-up's injected failure")
-def test_a_warm_up_that_fails_stops_and_leaves_the_eviction(caplog):
-    ops = FakeOps(capacity=8)
-    model = torch.nn.ModuleList([onednn_layer(ops, "q", 960, 576)])
-    prims = MatmulPrimitives(model, capacity=8)
-    real = ops.onednn_mm
-
-    def fails_on_contiguous(handler, x, bias):
-        if x.is_contiguous():
-            raise RuntimeError("no such key")
-        return real(handler, x, bias)
-
-    ops.onednn_mm = fails_on_contiguous
-    prims.refresh()  # the eviction runs; the warm-up fails, says so, and stops
-    assert prims.refreshes == 1 and prims.warm_rows == 0 and not prims.made
-    assert "decode-sized oneDNN matmuls" in caplog.text
-    ops.onednn_mm = real
-    ops.threads = 1
-    assert not prims.before_step(3, lent=False)  # the model still tracks the steps
-    assert prims.before_step(3, lent=True) and prims.refreshes == 2
+    model = torch.nn.ModuleList([qkv, onednn_layer(ops, "o", 576, 576),
+                                 onednn_layer(ops, "q2", 960, 576)])
+    prims = MatmulPrimitives(model, capacity=16)
+    assert bias_variants(onednn_keys(model)) == 2 and prims.rows_held == 8
 
 
 def test_one_row_inputs_would_not_evict_them():
@@ -318,7 +267,7 @@ def test_copies_on_a_lent_step_are_priced_on_what_a_lent_step_costs(clock, lent_
 
     w = FakeDraftWorker()
     p, _ = lending(w)
-    p.lookup = ContextLookup(min_n=2, max_n=4)
+    p.lookup = Sources(ModelSource(), [ContextLookup(min_n=2, max_n=4)])
     p.verdict.choose = lambda b, sampled, key=None: LOOKUP  # the draft model off: lent
     for e in range(0, 5):
         p.step_time.observe(1, e, 0.060 + 0.0001 * e)  # drafting steps: nearly free
@@ -326,19 +275,6 @@ def test_copies_on_a_lent_step_are_priced_on_what_a_lent_step_costs(clock, lent_
     sampled, n, ids = inputs([[5, 6, 7, 8, 5, 6]])  # "5 6" came before, then 7 8 5 6
     assert p.propose(sampled, n, ids) == [served]  # a 2-token match's prior α, 0.4
     assert w.calls == [] and p._threads.lent
-
-
-def test_vllms_engine_core_sits_on_the_draft_cores_only_while_the_draft_drafts(clock):
-    p, calls = lending(FakeDraftWorker())
-    places = []
-    p._engine_place = SimpleNamespace(use=places.append)
-    modes = iter([True, True, False, False, True])
-    p.verdict.choose = lambda b, sampled, key=None: on_mode(next(modes))
-    sampled, n, ids = inputs([[1, 2]])
-    for _ in range(5):
-        p.propose(sampled, n, ids)
-    # moved at each switch of the target's threads, and only then
-    assert calls == [1, 2, 1] and places == [False, True, False]
 
 
 @pytest.mark.expect_swallowed(RuntimeError, reason="the draft side's injected failure")
@@ -400,12 +336,9 @@ def test_an_idle_draft_side_lends_only_where_no_matmul_would_need_remaking(clock
     ops.threads = 2  # vLLM's worker at load: every thread of the binding
     layer = onednn_layer(ops, "q", 960, 576)
     p.load_model(torch.nn.ModuleList([layer]))
+    p.before_step(2)  # a lent step of 2 rows: its matmul made for every thread
+    layer.cpu_linear(torch.zeros(2, 576), None, None)
     cache = ops.caches[(960, 576, torch.float32)]
-    # decode-sized steps (1-16 token rows) were made at load, for every thread
-    assert all(cache[(r, 576, False)] == 2 for r in range(1, 17))
-    p._primitives.warm_rows = 2  # (as if only 1-2 rows had been made for every thread)
-    for r in range(3, 17):
-        del p._primitives.made[r], cache[(r, 576, False)]
     p.verdict.choose = lambda b, sampled, key=None: MODEL
     p._lend(False)
     ops.threads = 1
@@ -517,8 +450,7 @@ def test_a_lending_proposer_remakes_the_targets_matmuls_at_each_lend_and_stops_i
     p._lend(True)
     assert calls == [1, 2] and p.stats()["matmul_remakes"] == 1 and ops.calls
     assert ops.made_for() == {1}  # the eviction at load (FakeOps makes for 1 thread)
-    # without the step hook every lend refreshes: nothing is made up front
-    assert p._primitives.warm_rows == 0 and not p._primitives.made
+    assert not p._primitives.made  # without the step hook every lend refreshes
     # vLLM's internals moved under us: the step goes on, the remaking stops, and says so
     ops.onednn_mm = None
     p._lend(False)
@@ -539,8 +471,9 @@ def test_with_the_step_hook_a_lending_proposer_remakes_before_the_step_that_need
     p.load_model(torch.nn.ModuleList([onednn_layer(ops, "q", 960, 576)]))
     assert p._threads.on_lend is None  # not at each lend
     refreshes = p._primitives.refreshes
+    p.before_step(5)  # a lent step of 5 token rows: made for every thread
     p._lend(False)
-    p.before_step(5)  # a drafting step of 5 token rows: made for every thread at load
+    p.before_step(5)  # a drafting step of 5 token rows reuses it
     p.before_step(20)  # ... and one of 20 (4 requests, 4 draft tokens each): on one thread
     p._lend(True)
     p.before_step(64)  # lent, a wide step: nothing drafting made
@@ -553,7 +486,7 @@ def test_with_the_step_hook_a_lending_proposer_remakes_before_the_step_that_need
         clock.now += 0.007
 
     p._primitives.refresh = slow_refresh
-    p.before_step(5)  # lent, a row count made at load for every thread: nothing to remake
+    p.before_step(5)  # lent, a row count made for every thread: nothing to remake
     assert p._primitives.refreshes == refreshes
     p.before_step(20)  # lent, a row count drafting made on one thread: remade first
     assert p._primitives.refreshes == refreshes + 1 and calls == [1, 2]

@@ -3,8 +3,11 @@
 import numpy as np
 import pytest
 
-from duo_vllm.control.serving import choose, combine, paying_length
+from duo_vllm.control.serving import choose, paying_length
+from duo_vllm.sources.base import Sources
+from duo_vllm.vllm.model_source import ModelSource
 from duo_vllm.control.verdict import LOOKUP, MODEL
+from duo_vllm.sources.base import Proposal
 from duo_vllm.sources.lookup import (LOOKUP_PRIOR, MATCH_CLASSES, ContextLookup, MatchAcceptance,
                                      find_continuation, find_match, match_class, score)
 
@@ -63,6 +66,8 @@ def test_a_draft_is_judged_as_far_as_the_target_produced():
 
 
 def test_agreeing_sources_serve_the_longer_and_disagreeing_the_more_likely():
+    def combine(model, lookup, a_model, a_lookup):  # no tail cut (threshold 0)
+        return choose(model, lookup, a_model, a_lookup, 0.0)
     assert combine([1, 2], [1, 2, 3, 4], 0.9, 0.1) == ([1, 2, 3, 4], LOOKUP)
     assert combine([1, 2, 3], [1, 2], 0.1, 0.9) == ([1, 2, 3], MODEL)
     assert combine([1, 2], [1, 5, 6], 0.9, 0.5) == ([1, 2], MODEL)
@@ -74,20 +79,30 @@ def test_agreeing_sources_serve_the_longer_and_disagreeing_the_more_likely():
     assert combine([1, 2], [1, 5, 6], 0.7, (0.8, 0.6, 0.9)) == ([1, 2], MODEL)
 
 
+def sources(min_n=2, max_n=8):
+    return Sources(ModelSource(), [ContextLookup(min_n, max_n)])
+
+
+def proposals(lookup, model=(), match=0):
+    return [Proposal(LOOKUP, list(lookup), 0.0, meta=match), Proposal(MODEL, list(model), 0.0)]
+
+
 def test_each_source_is_scored_served_or_not_and_finished_requests_are_forgotten():
-    lk = ContextLookup()
-    lk.remember("a", 5, 0.0, {LOOKUP: [1, 2, 3, 5], MODEL: [1, 4]}, LOOKUP, [1, 2, 3])
-    lk.observe(["a"], [ctx(0, 0, 0, 0, 0, 1, 2, 9)])  # target: 1 2 accepted, then 9
-    assert lk.stats.served[LOOKUP] == 3 and lk.stats.accepted[LOOKUP] == 2
-    assert lk.stats.served[MODEL] == 0
-    a_l, a_m = lk.alpha(LOOKUP, "a", 0.0), lk.alpha(MODEL, "a", 0.0)
-    # no match length given: class 1 (prior 0.3) held tokens 1-2, both accepted; the
+    src = sources()
+    lk = src.by_name[LOOKUP]
+    src.observe(["a"], [ctx(1)])
+    src.remember("a", 5, 0.0, proposals([1, 2, 3, 5], [1, 4]), LOOKUP, [1, 2, 3])
+    src.observe(["a"], [ctx(0, 0, 0, 0, 0, 1, 2, 9)])  # target: 1 2 accepted, then 9
+    assert src.stats.served[LOOKUP] == 3 and src.stats.accepted[LOOKUP] == 2
+    assert src.stats.served[MODEL] == 0
+    a_l, a_m = lk.alpha("a", "greedy"), src.model.alpha("a", "greedy")
+    # match length 0: class 1 (prior 0.3) held tokens 1-2, both accepted; the
     # 3rd (class 2) was rejected; the 4th never judged
-    assert a_l > 0.3 and lk.alpha(LOOKUP, "a", 0.0, match=2) < 0.4
+    assert a_l > 0.3 and lk.alpha("a", "greedy", 2) < 0.4
     assert a_m < 0.7  # prior 0.7, then 1 of 2 trials (4 rejected)
-    lk.observe(["b"], [ctx(1, 2)])  # "a" finished
-    assert lk.alpha(LOOKUP, "a", 0.0) == pytest.approx(
-        lk.acceptance[LOOKUP].by_class[match_class(0)].regime_alpha("greedy"))
+    src.observe(["b"], [ctx(1, 2)])  # "a" finished
+    assert lk.alpha("a", "greedy") == pytest.approx(
+        lk.acceptance.by_class[match_class(0)].regime_alpha("greedy"))
 
 
 def test_the_match_length_comes_with_the_continuation():
@@ -96,28 +111,28 @@ def test_the_match_length_comes_with_the_continuation():
     assert tokens.tolist() == [8] and n == 4  # "4 1 2 3" again
     assert find_match(c, 1, 2, 2)[1] == 2  # capped at max_n
     assert find_match(ctx(1, 2, 3, 4), 4, 2, 4)[1] == 0  # no match
-    lk = ContextLookup(min_n=2, max_n=4)
-    assert lk.propose([c, ctx(1, 2, 3, 4)], [1, 1]) == [[8], []]
-    assert lk.matches == [4, 0]
+    rows = sources(2, 4).propose(["a", "b"], [c, ctx(1, 2, 3, 4)], [1, 1], [0.0, 0.0])
+    assert [(p.tokens, p.meta) for (p,) in rows] == [([8], 4), ([], 0)]
 
 
 def test_lookup_acceptance_is_kept_per_match_length():
-    lk = ContextLookup(min_n=2, max_n=8)
-    greedy = lk.acceptance[LOOKUP].regime_alpha("greedy")
+    src = sources(2, 8)
+    lk = src.by_name[LOOKUP]
+    greedy = lk.acceptance.regime_alpha("greedy")
     assert [greedy[c] for c in MATCH_CLASSES] == sorted(greedy.values())  # priors rise with n
     assert match_class(2) == 2 and match_class(5) == 4 and match_class(8) == 6
-    long_before = lk.alpha(LOOKUP, "a", 0.0, match=8)
+    long_before = lk.alpha("a", "greedy", 8)
     for i in range(30):  # short matches of request "a" are rejected at once, every time
-        lk.remember("a", 10 * i, 0.0, {LOOKUP: [1, 2]}, LOOKUP, [1, 2], match=2)
-        lk.observe(["a"], [np.arange(10 * i + 1, dtype=np.int32) + 5])
-    assert lk.alpha(LOOKUP, "a", 0.0, match=2) < 0.1
-    assert lk.alpha(LOOKUP, "a", 0.0, match=3) < lk.alpha(LOOKUP, "a", 0.0, match=8)
-    assert lk.alpha(LOOKUP, "a", 0.0, match=8) == pytest.approx(long_before)  # untouched
+        src.remember("a", 10 * i, 0.0, proposals([1, 2], match=2), LOOKUP, [1, 2])
+        src.observe(["a"], [np.arange(10 * i + 1, dtype=np.int32) + 5])
+    assert lk.alpha("a", "greedy", 2) < 0.1
+    assert lk.alpha("a", "greedy", 3) < lk.alpha("a", "greedy", 8)
+    assert lk.alpha("a", "greedy", 8) == pytest.approx(long_before)  # untouched
     # a long match served and accepted in full raises its own class only
-    lk.remember("a", 400, 0.0, {LOOKUP: [7, 7, 7]}, LOOKUP, [7, 7, 7], match=6)
-    lk.observe(["a"], [np.concatenate([np.zeros(400, np.int32), ctx(7, 7, 7, 1)])])
-    assert lk.alpha(LOOKUP, "a", 0.0, match=6) > long_before
-    assert lk.alpha(LOOKUP, "a", 0.0, match=2) < 0.1
+    src.remember("a", 400, 0.0, proposals([7, 7, 7], match=6), LOOKUP, [7, 7, 7])
+    src.observe(["a"], [np.concatenate([np.zeros(400, np.int32), ctx(7, 7, 7, 1)])])
+    assert lk.alpha("a", "greedy", 6) > long_before
+    assert lk.alpha("a", "greedy", 2) < 0.1
 
 
 def test_a_copy_is_judged_token_by_token_as_its_match_grows():

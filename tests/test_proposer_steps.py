@@ -10,6 +10,8 @@ from duo_vllm.vllm import draft_side as draft_side_mod
 from duo_vllm.config import DuoConfig
 from duo_vllm.vllm.proposer import valid_prefix
 from duo_vllm.control.verdict import LOOKUP, MODEL, PLAIN
+from duo_vllm.sources.base import Sources
+from duo_vllm.vllm.model_source import ModelSource
 from tests.support.proposer_steps import FakeDraftWorker, bare, inputs, on_mode
 
 
@@ -171,12 +173,12 @@ def test_without_the_gate_or_with_a_fixed_budget_every_step_drafts(clock):
 
 
 def test_lookup_drafts_are_served_when_the_draft_model_is_off_and_scored_per_source(clock):
-    from duo_vllm.sources.lookup import LOOKUP, MODEL, ContextLookup
+    from duo_vllm.sources.lookup import LOOKUP, ContextLookup
 
     w = FakeDraftWorker()
     p = bare(w, k=2)
     p.k_lookup = 4
-    p.lookup = ContextLookup(min_n=2, max_n=4)
+    p.lookup = Sources(ModelSource(), [ContextLookup(min_n=2, max_n=4)])
     p._gated = False
     p._mode, p._on = LOOKUP, False  # the verdict keeps the draft model off
     for e in range(0, 5):  # verifying a token is nearly free: all four pay
@@ -192,8 +194,8 @@ def test_lookup_drafts_are_served_when_the_draft_model_is_off_and_scored_per_sou
     s = p._local_stats()
     assert s["lookup_tokens_served"] == 4 and s["lookup_tokens_accepted"] == 2
     key = ("row", 0)  # no runner attached: rows are the keys
-    assert p.lookup.acceptance[MODEL].alpha(key, "greedy") == pytest.approx(0.7)  # untouched
-    assert p.lookup.alpha(LOOKUP, key, 0.0, match=2) > 0.4  # 2 of 3 accepted, after "5 6"
+    assert p.sources.model.alpha(key, "greedy") == pytest.approx(0.7)  # untouched
+    assert p.sources.by_name[LOOKUP].alpha(key, "greedy", 2) > 0.4  # 2 of 3 accepted, after "5 6"
 
 
 def test_lookup_and_model_drafts_are_combined_by_agreement(clock):
@@ -203,7 +205,7 @@ def test_lookup_and_model_drafts_are_combined_by_agreement(clock):
     w = FakeDraftWorker(drafts=[[7, 8]])  # the model agrees with the lookup's start
     p = bare(w, k=2)
     p.k_lookup = 4
-    p.lookup = ContextLookup(min_n=2, max_n=4)
+    p.lookup = Sources(ModelSource(), [ContextLookup(min_n=2, max_n=4)])
     p._gated = False
     for e in range(0, 5):
         p.step_time.observe(1, e, 0.050 + 0.0001 * e)
@@ -211,8 +213,9 @@ def test_lookup_and_model_drafts_are_combined_by_agreement(clock):
     assert p.propose(sampled, n, ids) == [[7, 8, 9, 10]]  # the longer of two that agree
     # the drafter is told the lookup and choose()'s inputs: it pre-drafts from the same end
     (hint,) = w.calls[-1]["hints"]
-    assert hint.tokens == [7, 8, 9, 10]
-    assert choose([7, 8], hint.tokens, hint.alpha_model, hint.alpha_lookup,
+    (lookup,) = hint.proposals
+    assert lookup.tokens == [7, 8, 9, 10]
+    assert choose([7, 8], lookup.tokens, hint.alpha_model, lookup.alpha,
                   hint.threshold)[0] == [7, 8, 9, 10]
     w.drafts = [[3, 4]]  # the model disagrees: the source more likely accepted wins
     # the target said 11: both drafts rejected at once; the lookup's prior was lower
@@ -225,7 +228,7 @@ def test_lookup_tokens_that_do_not_pay_are_not_served(clock):
 
     w = FakeDraftWorker()
     p = bare(w, k=2)
-    p.lookup = ContextLookup(min_n=2, max_n=4)
+    p.lookup = Sources(ModelSource(), [ContextLookup(min_n=2, max_n=4)])
     p._gated, p._on = False, False
     for e in range(0, 5):  # verifying a token costs a tenth of a plain step
         p.step_time.observe(1, e, 0.050 + 0.005 * e)
@@ -233,7 +236,7 @@ def test_lookup_tokens_that_do_not_pay_are_not_served(clock):
     assert p.propose(sampled, n, ids) == [[7, 8]]  # the prior (0.4) pays for two
     for _ in range(20):
         # never accepted after a 2-token match
-        p.lookup.acceptance[LOOKUP].observe(("row", 0), "greedy", 2, 0, 1)
+        p.sources.by_name[LOOKUP].acceptance.observe(("row", 0), "greedy", 2, 0, 1)
     sampled, n, ids = inputs([[5, 6, 7, 8, 5, 6, 9, 5, 6]])
     assert p.propose(sampled, n, ids) == [[]]
 
@@ -246,12 +249,12 @@ def test_a_weak_match_that_does_not_pay_leaves_a_long_one_served(clock):
     w = FakeDraftWorker()
     p = bare(w, k=2)
     p.k_lookup = 4
-    p.lookup = ContextLookup(min_n=2, max_n=8)
+    p.lookup = Sources(ModelSource(), [ContextLookup(min_n=2, max_n=8)])
     p._gated, p._on = False, False
     for e in range(0, 5):  # verifying a token costs a tenth of a plain step
         p.step_time.observe(1, e, 0.050 + 0.005 * e)
     for _ in range(20):
-        p.lookup.acceptance[LOOKUP].observe(("row", 0), "greedy", 2, 0, 1)  # never accepted
+        p.sources.by_name[LOOKUP].acceptance.observe(("row", 0), "greedy", 2, 0, 1)  # never accepted
     sampled, n, ids = inputs([[5, 6, 7, 8, 1, 5, 6]])  # "5 6": a 2-token match
     assert p.propose(sampled, n, ids) == [[]]
     long_ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 1, 2, 3, 4, 5, 6]  # a 6-token match
@@ -335,7 +338,7 @@ def test_the_verdict_s_modes_serve_lookups_or_nothing_and_each_sample_names_its_
     w = FakeDraftWorker()
     p = bare(w, k=2)
     p.k_lookup = 4
-    p.lookup = ContextLookup(min_n=2, max_n=4)
+    p.lookup = Sources(ModelSource(), [ContextLookup(min_n=2, max_n=4)])
     p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
         temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])))
     for e in range(0, 5):  # verifying a token is nearly free: a lookup token pays
@@ -370,7 +373,7 @@ def test_above_max_batch_a_step_does_no_draft_work_at_all(clock):
     p.config = DuoConfig(use_actor=False, max_batch=1)
     p._init_step_state()
     p._prefetch = True
-    p.lookup = ContextLookup(min_n=2, max_n=4)
+    p.lookup = Sources(ModelSource(), [ContextLookup(min_n=2, max_n=4)])
     p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
         temperature_cpu=np.zeros(2, dtype=np.float32), req_ids=["a", "b"])))
     p.verdict.choose = lambda *a, **k: pytest.fail("the verdict is asked above the cap")

@@ -192,7 +192,7 @@ def test_the_worker_returns_q_with_the_drafts():
 
 
 def test_a_drawn_draft_is_served_as_drawn_whatever_the_lookup_says():
-    hint = Hint([7, 8, 9, 10], alpha_model=0.5, alpha_lookup=0.9, threshold=0.1)
+    hint = Hint.of([7, 8, 9, 10], alpha_model=0.5, alpha_lookup=0.9, threshold=0.1)
     assert serve([7, 3], True, hint) == ([7, 3], MODEL)  # not cut where it parts
     assert serve([7, 8], True, hint) == ([7, 8], MODEL)  # not extended where it agrees
     assert serve([7, 8], False, hint)[0] == [7, 8, 9, 10]  # an argmax draft: combined

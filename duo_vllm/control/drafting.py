@@ -12,7 +12,7 @@ from __future__ import annotations
 
 
 from duo_vllm.control.goodput import PROBE_EVERY, TargetCost, expected_accepted
-from duo_vllm.control.serving import Hint, serve
+from duo_vllm.control.serving import Hint, alpha_of, serve
 
 # priors, until the drafter has measured its own
 PRIOR_STEP_S = 0.05  # T₀: the target's plain step
@@ -114,22 +114,15 @@ def probe_affordable(catch_up: int, prefill_s: float, step_s: float) -> bool:
 
 # -- serving and pre-drafting ---------------------------------------------------------------
 
-def extends_branch(served: int, available: int, k: int, mixes_draws: bool) -> bool:
-    """Is a hit a candidate to draft on from the end of its branch? Where it is served the
-    whole branch and that is short of k (drafting on gains only where all it serves is
-    accepted, which the sync plan weighs), and not where a drawn token would follow
-    served ones without a q (``mixes_draws``): the rejection sampler reads a draft's q
-    for all of its tokens or for none."""
-    return served == available and served < k and not mixes_draws
-
-
 def lookup_fallback(hint: Hint | None) -> tuple[float, int]:
-    """(expected accepted tokens, length) of what a row is served from its lookup draft
-    alone, as the proposer's :func:`~duo_vllm.control.serving.serve` cuts it."""
-    if hint is None or not hint.tokens:
+    """(expected accepted tokens, length) of what a row is served from its free
+    sources alone, as the proposer's :func:`~duo_vllm.control.serving.serve` cuts it."""
+    if hint is None:
         return 0.0, 0
-    draft, _ = serve([], False, hint)
-    return expected_accepted(hint.alpha_lookup, len(draft)), len(draft)
+    draft, source = serve([], False, hint)
+    if not draft:
+        return 0.0, 0
+    return expected_accepted(alpha_of(hint, source), len(draft)), len(draft)
 
 
 def predraft_deadline(returned_at: float, expected_step_s: float | None,

@@ -1,20 +1,26 @@
-"""What a row is served: its model draft, its lookup draft, or a mix, each token
-only while its chance of acceptance pays for its verification.
+"""What a row is served among its sources' proposals, each token only while its
+chance of acceptance pays for its verification.
 
-Per request and step :func:`combine` serves one draft: where the two agree, the
-longer; where they differ, the source more likely accepted. A lookup tail is then cut
-by :func:`paying_length` to the tokens whose acceptance beats c · goodput
-(:func:`duo_vllm.control.goodput.pays`). The proposer serves :func:`serve`; the
-drafter computes the same (from a :class:`Hint`) and pre-drafts from its end.
+Per request and step :func:`serve` folds the proposals
+(:class:`~duo_vllm.sources.base.Proposal`), the draft model's first, by
+:func:`pick`: where two agree, the longer; where they part, the one more likely
+accepted there. A free source's tail is cut by :func:`paying_length` to the tokens
+whose acceptance beats c · goodput (:func:`duo_vllm.control.goodput.pays`); the
+model's draft is never cut (the controller planned its length). The proposer
+serves :func:`serve`; the drafter computes the same (from a :class:`Hint`) and
+pre-drafts from its end.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from numbers import Real
 
 from duo_vllm.control.goodput import token_alphas
 from duo_vllm.control.verdict import LOOKUP, MODEL
+from duo_vllm.sources.base import Proposal
 
 
 def common_prefix(a, b) -> int:
@@ -26,47 +32,34 @@ def common_prefix(a, b) -> int:
     return n
 
 
-def combine(model: list[int], lookup: list[int], alpha_model: float,
-            alpha_lookup: float | Sequence[float]) -> tuple[list[int], str]:
-    """The draft to serve from a draft-model draft and a lookup draft, and its source.
-
-    Where one is a prefix of the other they agree: serve the longer. Where they
-    part, serve the source whose token there is more likely accepted
-    (``alpha_lookup``: per token of the copy, or one α for all).
-    """
-    if not lookup:
-        return model, MODEL
-    if not model:
-        return lookup, LOOKUP
-    agree = common_prefix(model, lookup)
-    if agree == len(model) or agree == len(lookup):
-        return (lookup, LOOKUP) if len(lookup) > len(model) else (model, MODEL)
-    return (lookup, LOOKUP) if token_alphas(alpha_lookup, 1, agree)[0] > alpha_model \
-        else (model, MODEL)
-
-
 @dataclass(frozen=True)
 class Hint:
-    """A row's lookup draft and the inputs of :func:`choose`, for the drafter.
+    """A row's free proposals and what :func:`serve` weighs them by, for the drafter
+    (which makes the model draft, computes what the proposer serves, and pre-drafts
+    from its end)."""
 
-    The proposer serves ``choose(model_draft, tokens, alpha_model,
-    alpha_lookup, threshold)``; the drafter, which makes the model draft,
-    computes the same and pre-drafts from its end.
-    """
-
-    tokens: list
+    proposals: tuple  # the free sources' Proposals, in registration order
     alpha_model: float
-    alpha_lookup: float | tuple  # per token of ``tokens`` (MatchAcceptance.alphas)
     threshold: float
+
+    @classmethod
+    def of(cls, tokens, alpha_model: float, alpha_lookup, threshold: float) -> Hint:
+        """A hint of one lookup draft."""
+        return cls((Proposal(LOOKUP, list(tokens), alpha_lookup),), alpha_model, threshold)
+
+
+def alpha_of(hint: Hint, source: str):
+    """The α of ``source``'s proposal in ``hint``."""
+    return next(p.alpha for p in hint.proposals if p.source == source)
 
 
 def paying_length(lead: float, alpha: float | Sequence[float], n: int, threshold: float,
                   start: int = 0) -> int:
-    """Tokens of an ``n``-token lookup tail worth verifying.
+    """Tokens of an ``n``-token tail of a free source worth verifying.
 
     Its t-th token is accepted with probability ``lead`` · α₁ ··· αₜ (``lead``:
     the chance the draft tokens before the tail are all accepted; the α of the
-    copy's tokens ``start`` on, :func:`~duo_vllm.control.goodput.token_alphas`) and
+    draft's tokens ``start`` on, :func:`~duo_vllm.control.goodput.token_alphas`) and
     pays while that beats ``threshold`` = c · goodput
     (:func:`duo_vllm.control.goodput.pays`).
     """
@@ -78,31 +71,56 @@ def paying_length(lead: float, alpha: float | Sequence[float], n: int, threshold
     return t
 
 
+def _prefers(a: Proposal, b: Proposal) -> bool:
+    """Is ``b`` the better of the two, uncut? Where one is a prefix of the other the
+    longer; where they part, the one whose token there is more likely accepted."""
+    if not b.tokens:
+        return False
+    if not a.tokens:
+        return True
+    agree = common_prefix(a.tokens, b.tokens)
+    if agree == len(a.tokens) or agree == len(b.tokens):
+        return len(b.tokens) > len(a.tokens)
+    return token_alphas(b.alpha, 1, agree)[0] > token_alphas(a.alpha, 1, agree)[0]
+
+
+def pick(a: Proposal, b: Proposal, threshold: float) -> Proposal:
+    """The draft served from ``a`` (the choice so far, served uncut) and a free
+    source's ``b``, whose tail is cut to what pays for its verification."""
+    if not _prefers(a, b):
+        return a
+    agree = common_prefix(a.tokens, b.tokens)
+    if agree == len(a.tokens):  # a's draft, extended by b's tail
+        lead = a.alpha ** agree if isinstance(a.alpha, Real) else \
+            math.prod(token_alphas(a.alpha, agree))
+        n = agree + paying_length(lead, b.alpha, len(b.tokens) - agree, threshold, start=agree)
+        if a.tokens and n <= len(a.tokens):
+            return a
+        return replace(b, tokens=b.tokens[:n])
+    n = paying_length(1.0, b.alpha, len(b.tokens), threshold)  # they part: b's own
+    return replace(b, tokens=b.tokens[:n]) if n else a
+
+
 def choose(model: list[int], lookup: list[int], alpha_model: float,
            alpha_lookup: float | Sequence[float], threshold: float) -> tuple[list[int], str]:
-    """:func:`combine`, with a lookup tail cut to what pays for its verification."""
-    draft, source = combine(model, lookup, alpha_model, alpha_lookup)
-    if source != LOOKUP:
-        return draft, source
-    agree = common_prefix(model, lookup)
-    if agree == len(model):  # the model's draft, extended by the lookup's tail
-        n = agree + paying_length(alpha_model ** agree, alpha_lookup, len(draft) - agree,
-                                  threshold, start=agree)
-        if model and n <= len(model):
-            return model, MODEL
-        return draft[:n], LOOKUP
-    n = paying_length(1.0, alpha_lookup, len(draft), threshold)  # they part: the lookup's own
-    return (draft[:n], LOOKUP) if n else (model, MODEL)
+    """:func:`pick` between a model draft and a lookup draft: (tokens, source)."""
+    p = pick(Proposal(MODEL, model, alpha_model), Proposal(LOOKUP, lookup, alpha_lookup),
+             threshold)
+    return p.tokens, p.source
 
 
 def serve(model: list[int], drawn: bool, hint: Hint | None) -> tuple[list[int], str]:
-    """What a row is served: its model draft and lookup draft combined by :func:`choose`.
+    """What a row is served: its model draft and its free proposals folded by
+    :func:`pick`, in order; (tokens, source).
 
     A model draft ``drawn`` from the draft's q (a sampled request,
     :mod:`duo_vllm.draft.sampling`) is served as it is whenever it has tokens: the
     rejection sampler reads its q, which holds only for the draw itself, not
-    for a draw picked or cut by how it agrees with the lookup draft.
+    for a draw picked or cut by how it agrees with another source.
     """
-    if hint is None or not hint.tokens or (drawn and model):
+    if hint is None or (drawn and model):
         return model, MODEL
-    return choose(model, hint.tokens, hint.alpha_model, hint.alpha_lookup, hint.threshold)
+    best = Proposal(MODEL, model, hint.alpha_model, drawn)
+    for p in hint.proposals:
+        best = pick(best, p, hint.threshold)
+    return best.tokens, best.source

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from duo_vllm.control.drafting import (
-    PRIOR_STEP_S, extends_branch, floor_streak_after, lookup_fallback, needs_prefill,
+    PRIOR_STEP_S, floor_streak_after, lookup_fallback, needs_prefill,
     prefill_in_background, probe_due, sync_catch_up,
 )
 from duo_vllm.control.goodput import (
@@ -36,7 +36,7 @@ from duo_vllm.draft.predraft import Predrafter
 from duo_vllm.draft.sequences import DraftPolicy
 from duo_vllm.draft.slots import Slot, common_prefix_len
 from duo_vllm.runtime.message import StepRequest
-from duo_vllm.control.serving import Hint, serve as serve_rule
+from duo_vllm.control.serving import Hint, alpha_of, serve as serve_rule
 
 __all__ = ["DraftPolicy", "DuoDrafter"]
 
@@ -111,8 +111,7 @@ class DuoDrafter(Predrafter):
         rows = self._rows(contexts, step.budgets, temps, serve, step.remaining)
         hits = [r for r in rows if r.branch is not None]
         misses = [r for r in rows if r.branch is None and not r.background]
-        served, (chosen, extend, depth) = self._plan_step(len(contexts), hits, misses, cost,
-                                                          hints)
+        served, (chosen, depth) = self._plan_step(len(contexts), hits, misses, cost, hints)
         for r, n in zip(hits, served):
             out[r.row], qs[r.row] = self._take_branch(r.slot, r.tree, r.branch, n, r.follow)
             st.deep_hits += r.follow > 1
@@ -120,20 +119,12 @@ class DuoDrafter(Predrafter):
             if not r.available:  # its branch holds the target's token only: nothing to serve
                 st.misses["shallow"] += 1
             st.branch_hits[r.tree.branches.index(r.branch)] += 1
-        if (chosen or extend) and depth > 0:
+        if chosen and depth > 0:  # each chosen miss drafts ``depth`` tokens from its context
             t_sync = time.perf_counter()
-            # a miss drafts ``depth`` tokens from its context; a hit whose branch ran out,
-            # ``depth`` more from the end of what it serves
             chains = [(r.row, r.slot, min(depth, r.k), r.temperature) for r in chosen]
-            chains += [(r.row, r.slot, min(len(out[r.row]) + depth, r.k), r.temperature)
-                       for r in extend]
-            roots = {r.row: r.ctx for r in chosen}
-            roots.update({r.row: np.concatenate([r.ctx, np.asarray(out[r.row], dtype=np.int32)])
-                          for r in extend})
-            self._draft_chains(chains, roots, out, qs)
+            self._draft_chains(chains, {r.row: r.ctx for r in chosen}, out, qs)
             st.sync_s += time.perf_counter() - t_sync
             st.sync_calls += 1
-            st.extended += len(extend)
         self.live = {r.slot.seq_id for r in rows}
         self.last_q = [qs.get(i) if out[i] else None for i in range(len(out))]
         for r in rows:
@@ -161,14 +152,15 @@ class DuoDrafter(Predrafter):
         p_all = {r.row: (len(out[r.row]), r.alpha ** len(out[r.row])) for r in rows}
         for r in rows:
             hint = _hint(hints, r.row)
-            if hint is None or not hint.tokens:
+            if hint is None:
                 continue
-            draft, _ = serve_rule(out[r.row], qs[r.row] is not None, hint)
+            draft, source = serve_rule(out[r.row], qs[r.row] is not None, hint)
             if list(draft) != list(out[r.row]):
                 agree = common_prefix_len(np.asarray(draft, dtype=np.int32),
                                           np.asarray(out[r.row], dtype=np.int32))
                 served[r.row] = list(draft)
-                p_all[r.row] = predraft_root(len(draft), agree, r.alpha, hint.alpha_lookup,
+                p_all[r.row] = predraft_root(len(draft), agree, r.alpha,
+                                             alpha_of(hint, source),
                                              greedy=r.temperature < 1e-5)
                 self.stats.lookup_predrafts += 1
         return served, p_all
@@ -223,48 +215,36 @@ class DuoDrafter(Predrafter):
 
     def _plan_step(self, batch: int, hits: list[_Row], misses: list[_Row], cost: TargetCost,
                    hints=None):
-        """Tokens served per hit; the misses drafted now, the hits extended now (those
-        whose branch ran out), and the depth drafted for each."""
+        """Tokens served per hit; the misses drafted now, and the depth drafted for each."""
         policy = self.policy
         if policy.budget is not None:  # fixed: every hit in full, every miss to the budget
-            return [r.available for r in hits], (misses, [], min(policy.budget, policy.k))
+            return [r.available for r in hits], (misses, min(policy.budget, policy.k))
         served = plan_served([r.alpha for r in hits], [r.available for r in hits], cost,
                              base_tokens=batch)
         for i, r in enumerate(hits):
             if served[i] == 0 and r.available and probe_due(self.quiet.get(r.slot.seq_id, 0)):
                 served[i] = 1
                 self.stats.probes += 1
-        # a hit served its whole branch is a miss with a head start (α^(n+1), α, ...)
-        extend = [r for r, n in zip(hits, served)
-                  if policy.predrafts and extends_branch(
-                      n, r.available, r.k, bool(n and self._draws(r.temperature)
-                                                and r.branch.drawn(n, r.follow - 1) is None))]
-        if not misses and not extend:
-            return served, ([], [], 0)
+        if not misses:
+            return served, ([], 0)
         # a miss with a lookup draft is served that copy if nothing is drafted for it now
         fallback = [lookup_fallback(_hint(hints, r.row)) for r in misses]
-        fallback += [(0.0, 0)] * len(extend)
         base_tokens = batch + sum(expected_accepted(r.alpha, n) for r, n in zip(hits, served)) \
             + sum(t for t, _ in fallback)
-        catch_up = [sync_catch_up(r.catch_up, policy.predrafts) for r in misses] \
-            + [1] * len(extend)
-        alphas = [r.alpha for r in misses] + [(r.alpha ** (r.available + 1), r.alpha)
-                                              for r in extend]
-        caps = [r.k for r in misses] + [r.k - r.available for r in extend]
-        plan = plan_sync(alphas, caps, catch_up, cost, self.draft_time, base_tokens,
+        catch_up = [sync_catch_up(r.catch_up, policy.predrafts) for r in misses]
+        plan = plan_sync([r.alpha for r in misses], [r.k for r in misses], catch_up, cost,
+                         self.draft_time, base_tokens,
                          sum(served) + sum(n for _, n in fallback), fallback)
-        if not plan.rows and not policy.predrafts:  # (then nothing is extended)
+        if not plan.rows and not policy.predrafts:
             # no pre-draft probes without a background thread: probe the quietest miss here
             # (one token), so measured costs and acceptance replace the priors
             quiet = max(misses, key=lambda r: self.quiet.get(r.slot.seq_id, 0))
             if probe_due(self.quiet.get(quiet.slot.seq_id, 0)):
                 self.stats.probes += 1
-                return served, ([quiet], [], 1)
+                return served, ([quiet], 1)
         self.stats.lookup_misses += sum(1 for i, (_, n) in enumerate(fallback)
                                         if n and i not in plan.rows)
-        m = len(misses)
-        return served, ([misses[i] for i in plan.rows if i < m],
-                        [extend[i - m] for i in plan.rows if i >= m], plan.depth)
+        return served, ([misses[i] for i in plan.rows], plan.depth)
 
     def _take_branch(self, slot, tree: Tree, branch: Branch, n: int, follow: int = 1):
         """Adopt a pre-drafted branch as the request's sequence; return ``n`` draft
@@ -292,8 +272,7 @@ class DuoDrafter(Predrafter):
             self.stats.prefill_tokens += len(ctx) - keep
             slot.tokens = ctx
             live.append([row, slot, n, temp])
-            if not out[row]:  # a hit's served branch keeps its q, extended
-                qs[row] = []
+            qs[row] = []
         try:
             logits, _ = self._decode(items)
             while live:

@@ -185,10 +185,6 @@ def bias_variants(keys: dict[tuple, tuple]) -> int:
     return max(Counter(key[:3] for key in keys).values(), default=1)
 
 
-# the decode-sized row counts made for every thread up front (MatmulPrimitives.warm)
-WARM_ROWS = ONEDNN_CACHE // 2
-
-
 class MatmulPrimitives:
     """Keeps a lent step from running a oneDNN primitive made for fewer threads.
 
@@ -196,24 +192,20 @@ class MatmulPrimitives:
     stays slow once the cores are lent back (the reverse costs nothing). The caches key
     a shape by rows, row stride and bias, not threads: ``2 * capacity`` inputs with
     unused strides evict every entry, which is costly, so an LRU model of the caches
-    (keyed by token rows) tells :meth:`before_step` when a lent step needs it. Each
-    refresh, and the start, remakes the decode-sized shapes (1 to ``warm_rows`` rows)
-    on every thread (:meth:`warm`), so most lent steps need none. Where one shape's
-    layers differ in having a bias, the caches hold half the row counts (``rows_held``).
+    (keyed by token rows) tells :meth:`before_step` when a lent step needs it. Where
+    one shape's layers differ in having a bias, the caches hold half the row counts
+    (``rows_held``).
     The int8 layers (``onednn_scaled_mm``) key no row stride and are left alone.
     """
 
-    def __init__(self, model, capacity: int = ONEDNN_CACHE, warm_rows: int = WARM_ROWS):
+    def __init__(self, model, capacity: int = ONEDNN_CACHE):
         import torch
 
         self._torch = torch
         keys = onednn_keys(model)
         self.linears = per_shape(keys)
-        self._warm = list(keys.values())  # the keys a step makes, bias or none
         self.capacity = capacity
         self.rows_held = capacity // bias_variants(keys)  # row counts the caches hold
-        # half of them made up front: room for the steps' other shapes
-        self.warm_rows = min(warm_rows, self.rows_held // 2)
         self.refreshes = 0
         self.skipped = 0  # lent steps that ran a primitive made on fewer threads (not worth it)
         # an LRU model of the caches: token rows -> made on every thread
@@ -242,26 +234,10 @@ class MatmulPrimitives:
         return refresh
 
     def refresh(self) -> None:
-        """Empty the caches and remake the decode-sized shapes; call on every thread."""
+        """Empty the caches; call on every thread."""
         self.evict()
         self.made.clear()
         self.refreshes += 1
-        self.warm()
-
-    def warm(self) -> None:
-        """Make the primitives of 1 to ``warm_rows`` token rows, with the keys the steps look
-        up; only right after :meth:`evict`. A failure stops warm-ups for good (logged)."""
-        torch = self._torch
-        try:
-            with torch.inference_mode():
-                for rows in range(1, self.warm_rows + 1):
-                    for linear, k, dtype, bias in self._warm:
-                        linear(torch.zeros(rows, k, dtype=dtype), None, bias)
-                    self.made[rows] = True
-        except Exception as e:  # vLLM's internals moved: lent steps remake as before
-            logger.warning("DuoProposer: making the target's decode-sized oneDNN matmuls "
-                           "for every thread failed (%s); no longer tried", e)
-            self.warm_rows, self._warm = 0, []
 
     def evict(self) -> None:
         torch = self._torch

@@ -22,7 +22,6 @@ from duo_vllm.runtime.delta import Delta, DeltaReceiver, Drafts
 from duo_vllm.runtime.message import StepRequest
 from duo_vllm.draft.drafter import DraftPolicy, DuoDrafter
 from duo_vllm.host.cores import draft_threads
-from duo_vllm.host.pinning import pin_threads
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +42,11 @@ def pin_process(cores: list[int]) -> list[int]:
             f"(allowed CPUs: {allowed})"
         )
     os.sched_setaffinity(0, cores)
-    pin_threads("self", cores)
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ():
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # a thread that ended meanwhile
+            pass
     return sorted(os.sched_getaffinity(0))
 
 

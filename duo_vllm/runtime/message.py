@@ -22,7 +22,7 @@ class StepRequest:
     step_s: float | None = None  # T₀(B): the target's plain step at this batch size
     temperatures: Sequence[float] | None = None  # each row's sampling temperature (0: greedy)
     per_token_s: float | None = None  # c: the target's cost per extra verified token
-    hints: Sequence[Hint | None] | None = None  # the proposer's lookup drafts
+    hints: Sequence[Hint | None] | None = None  # the free sources' proposals
     remaining: Sequence[int | None] | None = None  # tokens each row may still generate
 
     def select(self, rows: Sequence[int], contexts) -> StepRequest:

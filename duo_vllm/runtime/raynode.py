@@ -1,5 +1,5 @@
-"""The Ray instance of the draft actor: a private one on loopback, its daemons on the
-draft's cores, or the user's cluster; and a check that some node can place the actor."""
+"""The Ray instance of the draft actor: a private one on loopback, or the user's cluster;
+and a check that some node can place the actor."""
 
 from __future__ import annotations
 
@@ -8,16 +8,15 @@ import os
 from contextlib import contextmanager
 
 from duo_vllm.config import DuoConfig, DuoConfigError, allowed_cpus
-from duo_vllm.host.pinning import pin_ray_daemons
 
 
 @contextmanager
-def daemon_affinity(cores: list[int] | None):
-    """Start Ray's daemons on ``cores`` (else any allowed CPU): they would inherit the
-    target's core binding of vLLM's worker thread."""
+def daemon_affinity():
+    """Start Ray's daemons on every allowed CPU: they would inherit the target's core
+    binding of vLLM's worker thread."""
     before = os.sched_getaffinity(0)
     try:
-        os.sched_setaffinity(0, cores or allowed_cpus())
+        os.sched_setaffinity(0, allowed_cpus())
     except OSError:
         pass
     try:
@@ -31,8 +30,8 @@ def private_ray(cfg: DuoConfig) -> bool:
     return cfg.ray_address is None and not os.environ.get("RAY_ADDRESS")
 
 
-def ensure_ray(cfg: DuoConfig, cores: list[int] | None = None):
-    """Ray, initialised if it is not; a private instance's daemons run on ``cores``."""
+def ensure_ray(cfg: DuoConfig):
+    """Ray, initialised if it is not."""
     import ray
 
     if ray.is_initialized():
@@ -50,11 +49,8 @@ def ensure_ray(cfg: DuoConfig, cores: list[int] | None = None):
     # else Ray's daemons flood vLLM's multiprocess /metrics with ray_* series
     metrics_dir = os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     try:
-        local = kwargs["address"] == "local"
-        with daemon_affinity(cores if local else None):
+        with daemon_affinity():
             ray.init(**kwargs)
-        if local and cores:  # some start from threads of their own, with another mask
-            pin_ray_daemons(cores)
     finally:
         if metrics_dir is not None:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir

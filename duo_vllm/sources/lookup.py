@@ -9,22 +9,17 @@ positions, not vLLM's numba matcher (``ngram_proposer``): numba's objects in
 (``triton_utils.dispatcher._rebind_kernels``) when an engine starts later in
 the same process.
 
-Lookup drafts and draft-model drafts are two *sources*. Both are scored every
-step against the tokens the target then produced (:func:`score`), served or
-not, so each request's acceptance per source is measured; a lookup draft's
-also per the length of the match it follows (:class:`MatchAcceptance`). What a
-row is served is the controller's (:mod:`duo_vllm.control.serving`).
+A free draft source (:mod:`duo_vllm.sources.base`): its acceptance is kept per
+request and per the length of the match a copy follows (:class:`MatchAcceptance`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
-from duo_vllm.control.goodput import Acceptance, regime
-from duo_vllm.control.serving import common_prefix
-from duo_vllm.control.verdict import LOOKUP, MODEL
+from duo_vllm.control.goodput import Acceptance
+from duo_vllm.control.verdict import LOOKUP
+from duo_vllm.sources.base import Proposal, register, score  # noqa: F401 (score: tests)
 
 # a lookup draft's acceptance is kept per class of the length of the match it follows:
 # a match of n tokens counts in the last class <= n
@@ -77,17 +72,6 @@ def find_match(context: np.ndarray, k: int, min_n: int, max_n: int) -> tuple[np.
     return context[e + 1 + np.arange(k) % (size - 1 - e)], n
 
 
-def score(draft, produced) -> tuple[int, int]:
-    """(accepted, judged) of ``draft`` against the tokens the target ``produced`` after it.
-
-    The target produced its accepted draft tokens plus one of its own, so a
-    draft is judged only as far as ``produced`` reaches: one that matches all of
-    it had no rejection observed (censored), one that differs was rejected there.
-    """
-    judged = min(len(draft), len(produced))
-    return min(common_prefix(draft, produced), judged), judged
-
-
 class MatchAcceptance:
     """Lookup acceptance per request, regime and class of match length.
 
@@ -129,94 +113,41 @@ class MatchAcceptance:
         return {c: a.regime_alpha(reg) for c, a in self.by_class.items()}
 
 
-@dataclass
-class _Proposal:
-    start: int  # context length when proposed
-    reg: str
-    drafts: dict  # source -> the tokens it proposed
-    served: str | None  # the source served, if any
-    tokens: list  # the tokens served (a source's draft, maybe cut by the plan)
-    match: int = 0  # the length of the match the lookup draft follows
-
-
-@dataclass
-class LookupStats:
-    rows: int = 0  # rows with a lookup match
-    served: dict = field(default_factory=lambda: {LOOKUP: 0, MODEL: 0})  # tokens served
-    accepted: dict = field(default_factory=lambda: {LOOKUP: 0, MODEL: 0})  # of those
-
-
+@register(LOOKUP)
 class ContextLookup:
-    """Lookup drafts for a step's rows, and each request's acceptance per source."""
+    """Drafts copied from the request's own context (:func:`find_match`)."""
 
     def __init__(self, min_n: int = 2, max_n: int = 8):
         self.min_n, self.max_n = min_n, max_n
-        self.acceptance = {LOOKUP: MatchAcceptance(), MODEL: Acceptance()}
-        self.matches: list[int] = []  # each row's match length, of the last propose()
-        self.stats = LookupStats()
-        self._last: dict = {}  # request key -> _Proposal
-        self._keys: set = set()  # the requests of the last step
+        self.acceptance = MatchAcceptance()
+        self.rows = 0  # rows with a match
 
-    def observe(self, keys, contexts) -> None:
-        """Score the last step's proposals against what the target produced since."""
-        last, self._last = self._last, {}
-        keys = list(keys)
-        for key in self._keys - set(keys):  # finished (or preempted): forget its numbers
-            for a in self.acceptance.values():
-                a.forget(key)
-        self._keys = set(keys)
-        for key, ctx in zip(keys, contexts):
-            p = last.get(key)
-            if p is None or len(ctx) <= p.start:
-                continue
-            produced = ctx[p.start:]
-            for source, draft in p.drafts.items():
-                if source == LOOKUP:
-                    self.acceptance[LOOKUP].observe(key, p.reg, p.match, *score(draft, produced))
-                else:
-                    self.acceptance[source].observe(key, p.reg, *score(draft, produced))
-            if p.served is not None:
-                self.stats.served[p.served] += len(p.tokens)
-                self.stats.accepted[p.served] += score(p.tokens, produced)[0]
+    @classmethod
+    def from_config(cls, config):
+        return cls(config.lookup_min, config.lookup_max)
 
-    def propose(self, contexts, caps) -> list[list[int]]:
-        """Each row's lookup draft; the lengths of their matches go to ``matches``."""
-        out, self.matches = [], []
-        for ctx, k in zip(contexts, caps):
-            draft, n = find_match(ctx, k, self.min_n, self.max_n)
-            self.stats.rows += bool(draft.size)
-            out.append(draft.tolist())
-            self.matches.append(n)
-        return out
+    @staticmethod
+    def enabled(config) -> bool:
+        return bool(config.lookup)
 
-    def alpha(self, source: str, key, temperature: float, match: int = 0) -> float:
-        """α of ``source`` for request ``key``; a lookup draft's for its ``match`` length."""
-        if source == LOOKUP:
-            return self.acceptance[LOOKUP].alpha(key, regime(temperature), match)
-        return self.acceptance[source].alpha(key, regime(temperature))
+    def begin(self, key) -> None:
+        pass
 
-    def alphas(self, key, temperature: float, match: int, n: int) -> tuple[float, ...]:
-        """The α of each token of request ``key``'s ``n``-token lookup draft."""
-        return self.acceptance[LOOKUP].alphas(key, regime(temperature), match, n)
+    def draft(self, key, context, k: int, reg: str) -> Proposal:
+        tokens, n = find_match(context, k, self.min_n, self.max_n)
+        self.rows += bool(tokens.size)
+        return Proposal(LOOKUP, tokens.tolist(),
+                        self.acceptance.alphas(key, reg, n, len(tokens)), meta=n)
 
-    def remember(self, key, start: int, temperature: float, drafts: dict,
-                 served: str | None, tokens: list, match: int = 0) -> None:
-        """What each source proposed for ``key`` at context length ``start``, and
-        which ``served`` source's ``tokens`` went to vLLM (``match``: the length of the
-        match the lookup draft follows)."""
-        drafts = {s: d for s, d in drafts.items() if d}
-        if drafts:
-            self._last[key] = _Proposal(start, regime(temperature), drafts,
-                                        served if tokens else None, tokens, match)
+    def accept(self, key, reg: str, proposal: Proposal, accepted: int, judged: int) -> None:
+        self.acceptance.observe(key, reg, proposal.meta or 0, accepted, judged)
+
+    def end(self, key) -> None:
+        self.acceptance.forget(key)
+
+    def alpha(self, key, reg: str, match: int = 0) -> float:
+        return self.acceptance.alpha(key, reg, match)
 
     def summary(self) -> dict:
-        s = self.stats
-        return {
-            "lookup_rows": s.rows,
-            "lookup_tokens_served": s.served[LOOKUP],
-            "lookup_tokens_accepted": s.accepted[LOOKUP],
-            "model_tokens_served": s.served[MODEL],
-            "model_tokens_accepted": s.accepted[MODEL],
-            "lookup_alpha_greedy": self.acceptance[LOOKUP].regime_alpha("greedy"),  # by match
-            "model_alpha_greedy": self.acceptance[MODEL].regime_alpha("greedy"),
-        }
+        return {"lookup_rows": self.rows,
+                "lookup_alpha_greedy": self.acceptance.regime_alpha("greedy")}  # by match

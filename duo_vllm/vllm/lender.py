@@ -5,14 +5,14 @@ made for).
 
 :class:`CoreLending` is mixed into :class:`duo_vllm.vllm.proposer.DuoProposer`; it reads
 the proposer's ``_threads`` (:class:`TargetThreads`, ``None`` where the target lends
-nothing), ``_primitives``, ``_engine_place``, ``_client``/``_worker`` and ``step_time``.
+nothing), ``_primitives``, ``_client``/``_worker`` and ``step_time``.
 """
 
 from __future__ import annotations
 
 import time
 
-from duo_vllm.host.lending import WARM_ROWS, MatmulPrimitives, lend_prefill, remake_pays
+from duo_vllm.host.lending import MatmulPrimitives, lend_prefill, remake_pays
 from duo_vllm.logs import vllm_logger
 
 logger = vllm_logger("duo_vllm.vllm.proposer")
@@ -43,9 +43,8 @@ class CoreLending:
 
     def _lend(self, lend: bool) -> None:
         """The next step runs the target on the draft's cores too (``lend``), or not."""
-        if self._threads is not None and self._threads.use(lend) and \
-                self._engine_place is not None:
-            self._engine_place.use(lend)
+        if self._threads is not None:
+            self._threads.use(lend)
 
     def _prefill_lent(self) -> None:
         """The step (its prefill) runs on the draft's cores too, the draft's background
@@ -79,21 +78,18 @@ class CoreLending:
 
     def load_model(self, model=None, *args, **kwargs) -> None:
         """vLLM's hook with the target model (the actor loads the draft at start-up). A
-        target that lends cores makes its decode-sized oneDNN matmuls for every thread
-        here, and remakes them before a lent step that would reuse one made on fewer
-        threads (with the step hook), else at each lend."""
+        target that lends cores remakes its oneDNN matmuls before a lent step that would
+        reuse one made on fewer threads (with the step hook), else at each lend."""
         if self._threads is None or model is None or not hasattr(model, "modules"):
             return
         try:
-            # decode-sized shapes up front only where the step hook tells which steps refresh
-            primitives = MatmulPrimitives(model, warm_rows=WARM_ROWS if self._hooked else 0)
+            primitives = MatmulPrimitives(model)
             if primitives.linears and onednn_acl():
                 # oneDNN on Arm's ACL re-packs the weights for each new input layout
                 logger.info("DuoProposer: vLLM's oneDNN runs on Arm's ACL: its matmuls are "
                             "not remade at a lend")
                 return
             primitives.evict()  # oneDNN's first build of the evicting shapes: at start-up
-            primitives.warm()  # decode-sized shapes made for every thread (lent now)
         except Exception as e:  # vLLM's internals moved: lent steps may run slower
             logger.warning("DuoProposer: cannot reach the target's oneDNN matmuls (%s); "
                            "steps on lent cores may not use them", e)

@@ -20,7 +20,6 @@ from duo_vllm.control.goodput import StepTimeModel
 from duo_vllm.draft.sampling import dense_q
 from duo_vllm.draft.slots import pool_window
 from duo_vllm.host.lending import MatmulPrimitives, TargetThreads
-from duo_vllm.host.pinning import EngineCorePlace
 from duo_vllm.logs import vllm_logger
 from duo_vllm.metrics import Reporter
 from duo_vllm.runtime.actor import DraftWorker
@@ -28,11 +27,12 @@ from duo_vllm.runtime.client import ActorClient
 from duo_vllm.runtime.delta import DeltaSender
 from duo_vllm.control.serving import Hint, serve
 from duo_vllm.control.verdict import LOOKUP, MODEL, PLAIN, Verdict, capped
-from duo_vllm.sources.lookup import ContextLookup
+from duo_vllm.control.goodput import regime
+from duo_vllm.sources.base import Proposal, Sources, free_sources
 from duo_vllm.vllm import rows as rows_of
 from duo_vllm.vllm.draft_side import DraftSide
-from duo_vllm.vllm.drafts_out import attach_drafts
 from duo_vllm.vllm.lender import REMAKE_S, CoreLending
+from duo_vllm.vllm.model_source import ModelSource
 from duo_vllm.vllm.patches import (
     check_vllm, fix_cpu_expand_kernel, install_draft_free_sampling, install_draft_probs_hook,
     install_logprob_free_verify, install_new_request_hook,
@@ -78,8 +78,9 @@ class DuoProposer(DraftSide, CoreLending):
         if cfg.sampled_drafts and (tp > 1 or not install_draft_probs_hook()):
             # q unread, or read on one tensor-parallel rank only: the argmax instead
             cfg = self.config = dataclasses.replace(cfg, sampled_drafts=False)
-        if cfg.lookup:
-            self.lookup = ContextLookup(cfg.lookup_min, cfg.lookup_max)
+        free = free_sources(cfg)
+        if free:
+            self.sources = Sources(ModelSource(), free)
         self.model_path = None
         if cfg.lookup_only:  # (the verdict's modes have no model: _init_step_state)
             logger.info("DuoProposer: lookup drafts only (lookup_only): no draft model, no "
@@ -121,7 +122,7 @@ class DuoProposer(DraftSide, CoreLending):
         self._sampled = False  # some request of the step under way samples
         self._started_at: float | None = None  # when the last propose() was called
         self._counts: dict = {}  # request id -> its tokens at the last propose()
-        self.lookup: ContextLookup | None = None  # drafts copied from the context
+        self.sources: Sources | None = None  # the draft sources (duo_vllm/sources/)
         self._sender = DeltaSender()  # each step's contexts as deltas (duo_vllm/runtime/delta.py)
         self._sender_actor = 0  # the actor the sender's deltas are against (its restart)
         self._threads: TargetThreads | None = None  # lending (duo_vllm/host/lending.py)
@@ -129,7 +130,6 @@ class DuoProposer(DraftSide, CoreLending):
         self._remaking = False  # the primitives are remade (not since a failure)
         self._remake_s = REMAKE_S  # a remake's time, measured (EMA)
         self._hooked = False  # vLLM's steps reach on_new_requests and before_step
-        self._engine_place: EngineCorePlace | None = None  # vLLM's engine core, with lending
         self._step_q = None  # (rows, drafts, their q) of the last step's drafted rows
         self.draft_prob_rows: list[int] = []  # the rows of take_last_draft_probs()'s answer
         self.drawn_tokens = 0  # draft tokens served with their q (sampled drafts)
@@ -213,7 +213,7 @@ class DuoProposer(DraftSide, CoreLending):
             return self._serve(drafts, rows, keys, [], temps_or_0, None, None)
         token_ids = np.asarray(token_ids_cpu)  # a numpy array in vLLM 0.32, or a tensor
         contexts = [token_ids[i, :n].copy() for i, n in zip(rows, lengths)]
-        lookups = self._lookups(keys, contexts, lookup_caps)
+        lookups = self._lookups(keys, contexts, lookup_caps, temps_or_0)
         disabled = getattr(self._client, "disabled", False)
         if not self._on or disabled:
             self._lend(True)  # the draft side gave up for good: lend for good
@@ -259,24 +259,39 @@ class DuoProposer(DraftSide, CoreLending):
         self._returned_at = None  # no step-time sample across the cap
         return True
 
-    def _lookups(self, keys, contexts, caps):
-        """Each row's lookup draft, the last step's scored first (``None``: no lookups)."""
-        if self.lookup is None:
+    @property
+    def lookup(self) -> Sources | None:
+        """The free sources (``None``: none); ``benchmarks/ab.py`` sets it to ``None``."""
+        return self.sources
+
+    @lookup.setter
+    def lookup(self, sources: Sources | None) -> None:
+        self.sources = sources
+
+    def _lookups(self, keys, contexts, caps, temps) -> list[list[Proposal]] | None:
+        """Each row's proposals of the free sources, the last step's scored first
+        (``None``: no free sources)."""
+        if self.sources is None:
             return None
-        self.lookup.observe(keys, contexts)
-        return [valid_prefix(d, self.target_vocab_size)
-                for d in self.lookup.propose(contexts, caps)]
+        self.sources.observe(keys, contexts)
+        return [[self._valid(p) for p in row]
+                for row in self.sources.propose(keys, contexts, caps, temps)]
+
+    def _valid(self, p: Proposal) -> Proposal:
+        """``p`` up to its first token outside the target's vocabulary."""
+        tokens = valid_prefix(p.tokens, self.target_vocab_size)
+        alpha = p.alpha[:len(tokens)] if isinstance(p.alpha, tuple) else p.alpha
+        return dataclasses.replace(p, tokens=tokens, alpha=alpha)
 
     def _hints(self, keys, temps, lookups) -> list[Hint] | None:
-        """Each row's lookup draft with what :func:`serve` weighs it by."""
+        """Each row's free proposals with what :func:`serve` weighs them by."""
         if lookups is None:
             return None
-        # a lookup token pays where α > c · goodput, goodput ~ the plain step's
+        # a free token pays where α > c · goodput, goodput ~ the plain step's
         cost = self._step_cost(self._batch)
         threshold = math.inf if cost is None else cost.threshold(self._batch)
-        return [Hint(list(d), self.lookup.alpha(MODEL, key, t),
-                     self.lookup.alphas(key, t, n, len(d)), threshold)
-                for key, t, d, n in zip(keys, temps, lookups, self.lookup.matches)]
+        return [Hint(tuple(props), self.sources.model.alpha(key, regime(t)), threshold)
+                for key, t, props in zip(keys, temps, lookups)]
 
     def _step_model(self, lent: bool) -> StepTimeModel:
         """The T(B, e) a step is a sample of: lent steps of parallel drafting have their
@@ -306,9 +321,8 @@ class DuoProposer(DraftSide, CoreLending):
                 drafts[i] = served
                 if source == MODEL and q is not None:
                     drawn[i] = q
-                self.lookup.remember(keys[j], len(contexts[j]), temps[j],
-                                     {LOOKUP: lookups[j], MODEL: m}, source, served,
-                                     self.lookup.matches[j])
+                self.sources.remember(keys[j], len(contexts[j]), temps[j],
+                                      [*lookups[j], Proposal(MODEL, m, 0.0)], source, served)
         self._last_step = (self._batch, sum(len(d) for d in drafts))
         self._step_q = None
         if any(q is not None for q in drawn):
@@ -332,15 +346,8 @@ class DuoProposer(DraftSide, CoreLending):
                        getattr(self._runner, "device", None) or "cpu")
 
     def attach_runner(self, runner) -> None:
-        """vLLM's model runner (from the new-request hook): the rows' settings; the step's
-        output carries the drafts from then on (:mod:`duo_vllm.vllm.drafts_out`)."""
+        """vLLM's model runner (from the new-request hook): the rows' settings."""
         self._runner = runner
-        if not self._passive:
-            try:
-                attach_drafts(runner)
-            except Exception as e:  # vLLM asks for the drafts itself, as without it
-                logger.debug("DuoProposer: drafts not carried on the step's output (%s: %s)",
-                             type(e).__name__, e)
 
     def on_new_requests(self, new_reqs, batch: int | None = None) -> None:
         """vLLM is about to prefill ``new_reqs`` in a step of ``batch`` requests (the hook
@@ -454,7 +461,7 @@ class DuoProposer(DraftSide, CoreLending):
             # the steps lent the draft's cores: T₀(B), and c(B) per verified token
             "lent_step_ms_by_batch": {b: 1e3 * c.t0 for b, c in lent.items()},
             "lent_verify_ms_by_batch": {b: 1e3 * c.per_token for b, c in lent.items()},
-            **(self.lookup.summary() if self.lookup is not None else {}),
+            **(self.sources.summary() if self.sources is not None else {}),
         }
 
     def stats(self) -> dict:
