@@ -4,12 +4,11 @@ import numpy as np
 import pytest
 
 from duo_vllm.control.serving import choose, paying_length
-from duo_vllm.sources.base import Sources
-from duo_vllm.vllm.model_source import ModelSource
 from duo_vllm.control.verdict import LOOKUP, MODEL
-from duo_vllm.sources.base import Proposal
+from duo_vllm.sources.base import Proposal, Sources, score
 from duo_vllm.sources.lookup import (LOOKUP_PRIOR, MATCH_CLASSES, ContextLookup, MatchAcceptance,
-                                     find_continuation, find_match, match_class, score)
+                                     find_continuation, find_match, match_class)
+from duo_vllm.vllm.model_source import ModelSource
 
 
 def ctx(*tokens):

@@ -20,16 +20,7 @@ from numbers import Real
 
 from duo_vllm.control.goodput import token_alphas
 from duo_vllm.control.verdict import LOOKUP, MODEL
-from duo_vllm.sources.base import Proposal
-
-
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if int(x) != int(y):
-            break
-        n += 1
-    return n
+from duo_vllm.sources.base import Proposal, common_prefix
 
 
 @dataclass(frozen=True)

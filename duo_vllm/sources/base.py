@@ -78,6 +78,15 @@ def free_sources(config) -> list[DraftSource]:
             for cls in SOURCES.values() if getattr(cls, "enabled", lambda c: True)(config)]
 
 
+def common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if int(x) != int(y):
+            break
+        n += 1
+    return n
+
+
 def score(draft, produced) -> tuple[int, int]:
     """(accepted, judged) of ``draft`` against the tokens the target ``produced`` after it.
 
@@ -86,12 +95,7 @@ def score(draft, produced) -> tuple[int, int]:
     it had no rejection observed (censored), one that differs was rejected there.
     """
     judged = min(len(draft), len(produced))
-    n = 0
-    for x, y in zip(draft, produced):
-        if int(x) != int(y):
-            break
-        n += 1
-    return min(n, judged), judged
+    return min(common_prefix(draft, produced), judged), judged
 
 
 @dataclass

@@ -19,7 +19,7 @@ import numpy as np
 
 from duo_vllm.control.goodput import Acceptance
 from duo_vllm.control.verdict import LOOKUP
-from duo_vllm.sources.base import Proposal, register, score  # noqa: F401 (score: tests)
+from duo_vllm.sources.base import Proposal, register
 
 # a lookup draft's acceptance is kept per class of the length of the match it follows:
 # a match of n tokens counts in the last class <= n
