@@ -5,7 +5,7 @@ verdict checks their outcome in realised tokens per second and runs the
 fastest of three modes:
 
 * ``MODEL``: the draft model drafts (lookup drafts beside it);
-* ``LOOKUP``: drafts copied from the context only, the draft model idle;
+* ``LOOKUP``: the free sources only (copies from the context), the draft model idle;
 * ``PLAIN``: no drafts, plain decoding.
 
 Per batch-size bucket (1, 2-3, 4-7, ...; steps where some request samples
@@ -157,7 +157,7 @@ class Verdict:
         self._tried_at[(b, self._mode[b])] = self._clock[b]
         self._retry_at[b] = self.retry_every
         # rule 3: what is not measured here yet, at once; the model only where it is
-        # likely to pay (a burst of 16 new requests drafted on one core once ran 0.76x)
+        # likely to pay (a burst of new requests drafted on one core loses to plain)
         others = [m for m in self.modes if m != self._mode[b] and (b, m) not in self._sums
                   and (m != MODEL or self._mode[b] == MODEL)]
         if others:
