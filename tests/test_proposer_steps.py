@@ -418,7 +418,7 @@ def test_drawn_drafts_go_to_vllm_with_their_q_and_other_drafts_one_hot(clock):
 def test_a_lending_target_carries_no_gate_win_to_a_larger_batch(monkeypatch):
     p = bare(FakeDraftWorker())
     assert p.verdict.reach == 2
-    monkeypatch.setattr(draft_side_mod, "resolve_draft_cores", lambda cfg: ([1], True))
+    monkeypatch.setattr(draft_side_mod, "resolve_draft_cores", lambda cfg, **_: ([1], True))
     monkeypatch.setattr(draft_side_mod, "lend_plan", lambda order, cores, n: (2, 1))
     assert p._draft_cores(DuoConfig(use_actor=False)) == [1]
     assert p._threads is not None and p.verdict.reach == 0

@@ -479,6 +479,7 @@ def test_verifying_without_logprobs_keeps_no_copies_and_the_same_tokens(temps, m
     from duo_vllm.vllm.patches import with_bonus_without_logprobs, with_logprob_free_verify
 
     _cpu_rejection_kernels()
+    monkeypatch.setattr("duo_vllm.vllm.patches._armed", [True])  # past vLLM's profiling run
     torch.manual_seed(0)
     drafts = [[3, 4], [5], [7, 8, 9], [2]]
     meta = spec_metadata(drafts)
@@ -520,7 +521,7 @@ def test_verifying_without_logprobs_keeps_no_copies_and_the_same_tokens(temps, m
     assert (n_target, 50) not in outs["wrapped clones"]
 
 
-def test_verifying_with_logprobs_asked_keeps_vllms_path():
+def test_verifying_with_logprobs_asked_keeps_vllms_path(monkeypatch):
     rs = pytest.importorskip("vllm.v1.sample.rejection_sampler")
     from vllm.v1.sample.sampler import Sampler
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
@@ -528,6 +529,7 @@ def test_verifying_with_logprobs_asked_keeps_vllms_path():
     from duo_vllm.vllm.patches import with_logprob_free_verify
 
     _cpu_rejection_kernels()
+    monkeypatch.setattr("duo_vllm.vllm.patches._armed", [True])
     meta = spec_metadata([[3], [5, 6]])
     logits = torch.randn(5, 50)
     seen = []

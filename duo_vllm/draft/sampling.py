@@ -31,6 +31,10 @@ from __future__ import annotations
 import numpy as np
 
 TOP_Q = 64  # tokens of q kept per drafted position
+# The most a step's dense q may take (float32, [rows, width, vocab]) on vLLM's device,
+# outside its memory profile; vLLM's own concatenation of its rows takes as much again.
+# A step over it is verified without q: each draft taken as certain, exact for any draft.
+Q_MAX_BYTES = 64 << 20
 
 
 def draft_q(logits: np.ndarray, temperature: float, k: int = TOP_Q,
@@ -74,6 +78,11 @@ def q_entries(drafts: list[list[int]], qs: list):
     if not rows:
         return None
     return tuple(np.concatenate(x) for x in (rows, pos, toks, probs))
+
+
+def q_fits(drafts: list[list[int]], vocab: int, max_bytes: int = Q_MAX_BYTES) -> bool:
+    """Does :func:`dense_q` of ``drafts`` fit in ``max_bytes``?"""
+    return len(drafts) * max(map(len, drafts), default=0) * vocab * 4 <= max_bytes
 
 
 def dense_q(drafts: list[list[int]], qs: list, vocab: int, device="cpu"):

@@ -23,6 +23,16 @@ from duo_vllm.vllm.vocab import check_vocab, target_token_texts
 logger = vllm_logger("duo_vllm.vllm.proposer")
 
 
+def target_environ():
+    """The variables that name the target's cores: vLLM-CPU's worker binds its OpenMP
+    threads by ``OMP_PLACES``, ``GOMP_CPU_AFFINITY``, ``KMP_AFFINITY`` or
+    ``VLLM_CPU_OMP_THREADS_BIND``. On any other platform (a GPU) they say nothing of the
+    target's cores: none (so the target lends none)."""
+    from duo_vllm.cli import cpu_platform
+
+    return os.environ if cpu_platform() else {}
+
+
 class DraftSide:
     """The draft-side half of DuoProposer (module docstring)."""
 
@@ -60,15 +70,18 @@ class DraftSide:
                     "over a Unix socket (same node)" if self._client and self._client.channel
                     else "through Ray" if self._client else "in this process")
 
-    def _draft_cores(self, cfg: DuoConfig) -> list[int] | None:
+    def _draft_cores(self, cfg: DuoConfig, env=None) -> list[int] | None:
+        """The draft's cores; with ``lend_cores``, where vLLM-CPU's target binds them too
+        (``env``, else :func:`target_environ`), the plan to lend them."""
         if cfg.resources and cfg.draft_cores is None:
             return None  # placed by resources, maybe on another node: all of that node's CPUs
-        cores, shared = resolve_draft_cores(cfg)
+        env = target_environ() if env is None else env
+        cores, shared = resolve_draft_cores(cfg, environ=env)
         plan = None
         if shared and cfg.lend_cores:
             import torch
 
-            plan = lend_plan(bind_order(os.environ), cores, torch.get_num_threads())
+            plan = lend_plan(bind_order(env), cores, torch.get_num_threads())
         if plan is not None:
             self._threads = TargetThreads(plan)
             # plain decoding here runs on the draft's cores too: a win at batch 1 says

@@ -336,6 +336,13 @@ def install_draft_free_sampling() -> bool:
 
 LOGPROB_FREE_HOOK = "_duo_logprob_free_verify"
 BONUS_NO_LOGPROBS = "_duo_bonus_no_logprobs"  # on the Sampler, during such a step
+# Off until DuoProposer's first step (arm_logprob_free_verify): vLLM's profiling run,
+# before it, keeps the copies, so vLLM's memory profile counts what a logprobs step makes.
+_armed = [False]
+
+
+def arm_logprob_free_verify() -> None:
+    _armed[0] = True
 
 
 def with_logprob_free_verify(forward):
@@ -346,7 +353,8 @@ def with_logprob_free_verify(forward):
 
     @functools.wraps(forward)
     def verify(self, metadata, draft_probs, logits, sampling_metadata, *args, **kwargs):
-        if wants_logprobs(sampling_metadata) or self.is_processed_logprobs_mode:
+        if not _armed[0] or wants_logprobs(sampling_metadata) or \
+                self.is_processed_logprobs_mode:
             return forward(self, metadata, draft_probs, logits, sampling_metadata, *args,
                            **kwargs)
         sampler = self.sampler
@@ -444,10 +452,11 @@ def constructing_runner(max_depth: int = 16):
     return None
 
 
-def _v2_message(what: str) -> str:
+def _v2_message(what: str, fix: str = "") -> str:
+    fix = fix or (f"unset {V2_ENV} or set {V2_ENV}=0 (vLLM then picks V1 for custom "
+                  f"proposers by itself)")
     return (f"DuoProposer needs vLLM's V1 model runner ({V1_RUNNER}), but {what}. vLLM's "
-            f"Model Runner V2 does not run custom proposers. Fix: unset {V2_ENV} or set "
-            f"{V2_ENV}=0 (vLLM then picks V1 for custom proposers by itself)")
+            f"Model Runner V2 does not run custom proposers. Fix: {fix}")
 
 
 def check_model_runner(runner=None, use_v2: bool | None = None) -> None:
@@ -493,4 +502,19 @@ def check_vllm(vllm_config) -> None:
         use_v2 = vllm_config.use_v2_model_runner is True
     except AttributeError:  # a vLLM without the switch
         use_v2 = None
+    forced = v2_forced_by(vllm_config)
+    if use_v2 and forced:
+        raise UnsupportedVllmError(_v2_message(
+            f"vLLM runs Model Runner V2 whenever {forced} is set, whatever {V2_ENV} says",
+            f"remove {forced}, or serve without DuoProposer"))
     check_model_runner(constructing_runner(), use_v2)
+
+
+def v2_forced_by(vllm_config) -> str | None:
+    """What makes vLLM 0.33 run Model Runner V2 whatever ``V2_ENV`` says (a HiSparse or
+    a watermark config), or None."""
+    if getattr(getattr(vllm_config, "attention_config", None), "hisparse_config", None):
+        return "a HiSparse config (attention_config.hisparse_config)"
+    if getattr(vllm_config, "watermark_config", None) is not None:
+        return "a watermark config (watermark_config)"
+    return None

@@ -17,7 +17,7 @@ import numpy as np
 
 from duo_vllm.config import DuoConfig
 from duo_vllm.control.goodput import StepTimeModel
-from duo_vllm.draft.sampling import dense_q
+from duo_vllm.draft.sampling import dense_q, q_fits
 from duo_vllm.draft.slots import pool_window
 from duo_vllm.host.lending import MatmulPrimitives, TargetThreads
 from duo_vllm.logs import vllm_logger
@@ -34,8 +34,8 @@ from duo_vllm.vllm.draft_side import DraftSide
 from duo_vllm.vllm.lender import REMAKE_S, CoreLending
 from duo_vllm.vllm.model_source import ModelSource
 from duo_vllm.vllm.patches import (
-    check_vllm, fix_cpu_expand_kernel, install_draft_free_sampling, install_draft_probs_hook,
-    install_logprob_free_verify, install_new_request_hook,
+    arm_logprob_free_verify, check_vllm, fix_cpu_expand_kernel, install_draft_free_sampling,
+    install_draft_probs_hook, install_logprob_free_verify, install_new_request_hook,
 )
 
 logger = vllm_logger("duo_vllm.vllm.proposer")
@@ -133,6 +133,8 @@ class DuoProposer(DraftSide, CoreLending):
         self._step_q = None  # (rows, drafts, their q) of the last step's drafted rows
         self.draft_prob_rows: list[int] = []  # the rows of take_last_draft_probs()'s answer
         self.drawn_tokens = 0  # draft tokens served with their q (sampled drafts)
+        self.q_dropped_steps = 0  # steps whose q was over Q_MAX_BYTES (verified without)
+        self.unfit_steps = 0  # steps after which vLLM would not call propose() (a long row)
         self.lent_prefills = 0  # prefill steps lent rather than shared (lend_prefill)
         self.seeded_rows = 0  # rows decoded without drafts: seeded sampled requests
         # what the draft sees of a prompt (as DuoDrafter's pool)
@@ -142,6 +144,7 @@ class DuoProposer(DraftSide, CoreLending):
                 slot_mappings=None) -> list[list[int]]:
         """Drafts for one vLLM step; never raises (a failure is a step without drafts)."""
         t0 = time.perf_counter()
+        arm_logprob_free_verify()  # vLLM's profiling run is over
         try:
             return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         except Exception:
@@ -165,19 +168,24 @@ class DuoProposer(DraftSide, CoreLending):
             return drafts  # max_batch: plain decoding, and no draft work at all
         self._capped = False
         rows, lengths, budgets, lookup_caps = [], [], [], []
-        partial = False
+        partial = unfit = False
         for i, sampled in enumerate(sampled_token_ids):
             if not len(sampled):  # a partial prefill chunk, or a discarded request
                 partial = True
                 continue
             n = int(num_tokens_no_spec[i])
-            room = self.max_model_len - n - 1
+            # vLLM calls propose() next step only if every row's length, drafts and k fit
+            # max_model_len (GPUModelRunner._input_fits_in_drafter): drafts kept within
+            # it; a row past it costs the whole batch a drafting step or more (counted)
+            room = self.max_model_len - n - max(1, self.k_lookup)
+            unfit = unfit or n + self.k_lookup > self.max_model_len
             if room <= 0:
                 continue
             rows.append(i)
             lengths.append(n)
             budgets.append(min(self.k, room))
             lookup_caps.append(min(self.k_lookup, room))
+        self.unfit_steps += unfit
         self._observe_step(rows, num_tokens_no_spec, skip=partial)
         # the step's batch size (T(B), the gate's bucket): seeded rows' tokens count too
         self._batch = batch = len(rows)
@@ -342,6 +350,9 @@ class DuoProposer(DraftSide, CoreLending):
         if step is None:
             return None
         self.draft_prob_rows = step[0]
+        if not q_fits(step[1], self.target_vocab_size):  # verified as certain: still exact
+            self.q_dropped_steps += 1
+            return None
         return dense_q(*step[1:], self.target_vocab_size,
                        getattr(self._runner, "device", None) or "cpu")
 
@@ -443,6 +454,8 @@ class DuoProposer(DraftSide, CoreLending):
             "propose_steps": self._steps,
             "propose_total_s": self._step_s,
             "drawn_tokens": self.drawn_tokens,  # served with their q (sampled requests)
+            "q_dropped_steps": self.q_dropped_steps,
+            "unfit_steps": self.unfit_steps,
             # steps without the draft model, steps without drafts, steps above max_batch
             "gate_plain_steps": self.verdict.steps.get(LOOKUP, 0) + self.verdict.steps[PLAIN],
             "gate_no_draft_steps": self.verdict.steps[PLAIN],
