@@ -402,7 +402,7 @@ def table(paths: list[str], top: int) -> None:
         for label, *_ in TIMED:
             cells, cpu = [], {}
             for m in modes:
-                t = runs[m]["timers"].get(label)
+                t = (runs[m].get("timers") or {}).get(label)
                 steps = max(runs[m]["steps"], 1)
                 cpu[m] = t["cpu_ms"] / steps if t else 0.0
                 cells.append(f"{cpu[m]:.3f} ({t['wall_ms'] / steps:.2f}), "
