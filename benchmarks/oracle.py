@@ -77,10 +77,10 @@ class DraftFreeEmptyProposer(EmptyProposer):
     decoding (patches/README.md, 2c)."""
 
     def __init__(self, vllm_config):
-        from duo_vllm.vllm.patches import install_draft_free_sampling
+        from duo_vllm.vllm.patches import install_draft_free_inputs
 
-        if not install_draft_free_sampling():
-            raise RuntimeError("this vLLM has no GPUModelRunner._sample to hook")
+        if not install_draft_free_inputs():
+            raise RuntimeError("this vLLM has no GPUModelRunner._prepare_inputs to hook")
 
 
 class RayEmptyProposer(EmptyProposer):

@@ -383,9 +383,12 @@ def test_above_max_batch_a_step_does_no_draft_work_at_all(clock):
         sampled, n, ids = inputs([ctx, ctx])
         assert p.propose(sampled, n, ids) == [[], []]
         clock.now += 0.1
+    # a request still prefilling (no sampled token yet) counts towards the batch too
+    sampled, n, ids = inputs([ctx, []])
+    assert p.propose(sampled, n, ids) == [[], []]
     p.on_new_requests([SimpleNamespace(prompt_token_ids=[1, 2, 3])], batch=3)
     assert w.calls == [] and w.prefetched == [] and w.pauses == 1  # one pause, at the cap
-    assert p.stats()["capped_steps"] == 3 and p._errors == 0
+    assert p.stats()["capped_steps"] == 4 and p._errors == 0
     del p.verdict.choose, p.lookup.observe  # back under the cap: drafting resumes
     p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
         temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])))

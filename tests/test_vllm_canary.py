@@ -9,6 +9,7 @@ lose its hook, its sampling settings or its kernel fix.
 
 import ast
 import dataclasses
+import functools
 import inspect
 import re
 import textwrap
@@ -279,30 +280,33 @@ def test_the_runner_keeps_each_requests_sampling_params_where_the_proposer_reads
     assert SamplingParams(temperature=0.7).structured_outputs is None
 
 
-def test_sample_takes_spec_metadata_and_samples_plainly_without_it():
-    # the draft-free hook passes spec_decode_metadata=None for a step without drafts:
+def test_prepare_inputs_has_a_plain_branch_the_draft_free_hook_takes():
+    # the draft-free hook shadows self.speculative_config for one _prepare_inputs call: the
+    # method reads it once, to pick between the plain branch (no spec metadata, one logits
+    # row per request) and the speculative one
+    src = inspect.getsource(inspect.unwrap(gmr.GPUModelRunner._prepare_inputs))
+    assert src.count("speculative_config") == 1
+    assert "use_spec_decode = self.speculative_config is not None" in src
+    plain = src[src.index("if not use_spec_decode:"):src.index("else:", src.index(
+        "if not use_spec_decode:"))]
+    assert "logits_indices = query_start_loc[1:] - 1" in plain
+    assert "spec_decode_metadata = None" in plain
     # _sample(self, logits, spec_decode_metadata) calls self.sampler(...) for None
     params = list(inspect.signature(inspect.unwrap(gmr.GPUModelRunner._sample)).parameters)
     assert params[:3] == ["self", "logits", "spec_decode_metadata"]
-    src = inspect.getsource(inspect.unwrap(gmr.GPUModelRunner._sample))
-    assert "if spec_decode_metadata is None:" in src and "self.sampler(" in src
-    # sample_tokens calls it so, and the logits of a step without drafts are one row per
-    # request (its last token), as in plain decoding
-    assert "self._sample(logits, spec_decode_metadata)" in inspect.getsource(
-        inspect.unwrap(gmr.GPUModelRunner.sample_tokens))
-    calc = inspect.getsource(gmr.GPUModelRunner._calc_spec_decode_metadata)
-    assert "logits_indices = np.repeat(" in calc  # each row's last 1 + drafts tokens
-    assert "bonus_logits_indices = cu_num_sampled_tokens - 1" in calc
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    sample = inspect.getsource(inspect.unwrap(gmr.GPUModelRunner._sample))
+    assert "if spec_decode_metadata is None:" in sample and "self.sampler(" in sample
+    # vLLM lists a request's drafts only where it has some; hybrid models are known as such
+    from vllm.config import ModelConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-    assert "num_draft_tokens" in {f.name for f in dataclasses.fields(SpecDecodeMetadata)}
-    assert "_sample" not in vars(CPUModelRunner)  # the CPU runner samples as the V1 runner
-    # a thinking budget's state is the one sampler state that reads predict_bonus_token
-    from vllm.v1.sample.metadata import SamplingMetadata
-
-    assert "thinking_budget_state_holder" in {f.name for f in
-                                              dataclasses.fields(SamplingMetadata)}
+    assert "scheduled_spec_decode_tokens" in {f.name for f in
+                                              dataclasses.fields(SchedulerOutput)}
+    assert isinstance(inspect.getattr_static(ModelConfig, "is_hybrid"),
+                      (property, functools.cached_property))
+    for name in ("_prepare_inputs", "_sample"):  # the CPU runner runs the V1 runner's
+        assert name not in vars(CPUModelRunner)
 
 
 def _called_names(obj) -> set[str]:

@@ -357,55 +357,65 @@ def test_draft_probs_hook_installs_on_vllms_model_runner():
                                                                   DRAFT_PROBS_HOOK, False)
 
 
-def test_draft_free_is_a_step_with_nothing_to_verify():
-    pytest.importorskip("vllm.v1.spec_decode.metadata")
+def _runner(meta, spec="spec", hybrid=False):
     from types import SimpleNamespace
 
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    return SimpleNamespace(speculative_config=spec, input_batch=SimpleNamespace(
+        sampling_metadata=meta), model_config=SimpleNamespace(is_hybrid=hybrid))
+
+
+def test_draft_free_is_a_step_with_nothing_to_verify():
+    from types import SimpleNamespace
 
     from duo_vllm.vllm.patches import draft_free
 
-    none = SpecDecodeMetadata.make_dummy([[], [], []], torch.device("cpu"))
-    some = SpecDecodeMetadata.make_dummy([[], [7, 8], []], torch.device("cpu"))
+    none = SimpleNamespace(scheduled_spec_decode_tokens={})
+    some = SimpleNamespace(scheduled_spec_decode_tokens={"r1": [7, 8]})
     plain = sampling_metadata([0, 0, 0])
-    assert draft_free(none, plain)
-    assert not draft_free(some, plain)
-    assert not draft_free(None, plain)  # plain decoding already
-    assert not draft_free(none, sampling_metadata([0, 0, 0], max_num_logprobs=2))  # logprobs
+    assert draft_free(_runner(plain), none)
+    assert not draft_free(_runner(plain), some)
+    assert not draft_free(_runner(plain, spec=None), none)  # plain decoding already
+    assert not draft_free(_runner(plain, hybrid=True), none)  # recurrent layers
+    assert not draft_free(_runner(sampling_metadata([0, 0, 0], max_num_logprobs=2)), none)
     budget = sampling_metadata([0, 0, 0])  # a request under a thinking budget
     budget.thinking_budget_state_holder = SimpleNamespace(has_tracked_requests=lambda: True)
-    assert not draft_free(none, budget)
+    assert not draft_free(_runner(budget), none)
     budget.thinking_budget_state_holder = SimpleNamespace(has_tracked_requests=lambda: False)
-    assert draft_free(none, budget)
+    assert draft_free(_runner(budget), none)
 
 
-def test_a_step_without_drafts_is_sampled_as_plain_decoding():
-    pytest.importorskip("vllm.v1.spec_decode.metadata")
+def test_a_step_without_drafts_is_prepared_as_plain_decoding():
     from types import SimpleNamespace
 
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
-
-    from duo_vllm.vllm.patches import with_draft_free_sampling
+    from duo_vllm.vllm.patches import with_draft_free_inputs
 
     seen = []
 
     class Runner:
         def __init__(self, meta):
+            self.speculative_config = "spec"
             self.input_batch = SimpleNamespace(sampling_metadata=meta)
+            self.model_config = SimpleNamespace(is_hybrid=False)
 
-        def _sample(self, logits, spec_decode_metadata):
-            seen.append(spec_decode_metadata)
-            return "out"
+        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+            seen.append(self.speculative_config)  # what vLLM's branch reads
+            if num_scheduled_tokens is None:
+                raise ValueError("boom")
+            return "inputs"
 
-    Runner._sample = with_draft_free_sampling(Runner._sample)
-    assert with_draft_free_sampling(Runner._sample) is Runner._sample  # idempotent
-    none = SpecDecodeMetadata.make_dummy([[], []], torch.device("cpu"))
-    some = SpecDecodeMetadata.make_dummy([[3], []], torch.device("cpu"))
-    logits = torch.zeros(2, 5)
-    assert Runner(sampling_metadata([0, 0]))._sample(logits, none) == "out"
-    Runner(sampling_metadata([0, 0]))._sample(logits, some)
-    Runner(sampling_metadata([0, 0], max_num_logprobs=0))._sample(logits, none)
-    assert seen == [None, some, none]
+    Runner._prepare_inputs = with_draft_free_inputs(Runner._prepare_inputs)
+    assert with_draft_free_inputs(Runner._prepare_inputs) is Runner._prepare_inputs
+    none = SimpleNamespace(scheduled_spec_decode_tokens={})
+    some = SimpleNamespace(scheduled_spec_decode_tokens={"r": [3]})
+    runner = Runner(sampling_metadata([0, 0]))
+    assert runner._prepare_inputs(none, [1, 1]) == "inputs"
+    assert runner.speculative_config == "spec"  # restored after the call
+    runner._prepare_inputs(some, [2, 1])
+    Runner(sampling_metadata([0, 0], max_num_logprobs=0))._prepare_inputs(none, [1, 1])
+    with pytest.raises(ValueError):
+        runner._prepare_inputs(none, None)
+    assert runner.speculative_config == "spec"  # restored when vLLM's code raises too
+    assert seen == [None, "spec", "spec", None]
 
 
 @pytest.mark.parametrize("temps", [[0, 0, 0], [0.7, 1.0, 0.7], [0, 0.7, 1.3]])
@@ -436,12 +446,12 @@ def test_vllms_samplers_agree_on_a_step_without_drafts(temps):
             assert plain[:, 0].tolist() == logits.argmax(-1).tolist()
 
 
-def test_draft_free_sampling_installs_on_vllms_model_runner():
+def test_draft_free_inputs_install_on_vllms_model_runner():
     gmr = pytest.importorskip("vllm.v1.worker.gpu_model_runner")
-    from duo_vllm.vllm.patches import DRAFT_FREE_HOOK, install_draft_free_sampling
+    from duo_vllm.vllm.patches import DRAFT_FREE_HOOK, install_draft_free_inputs
 
-    assert install_draft_free_sampling() and install_draft_free_sampling()  # idempotent
-    assert getattr(gmr.GPUModelRunner._sample, DRAFT_FREE_HOOK)
+    assert install_draft_free_inputs() and install_draft_free_inputs()  # idempotent
+    assert getattr(gmr.GPUModelRunner._prepare_inputs, DRAFT_FREE_HOOK)
 
 
 def _unwrapped(fn):

