@@ -16,6 +16,7 @@ from typing import Any
 from duo_vllm.draft.backend import QUANT_FTYPES
 from duo_vllm.host.cores import (CoreChoice, Topology, cgroup_cpu_limit, choose_draft_cores,
                                  draft_threads, gpu_numa_node, parse_cpu_list, read_topology)
+from duo_vllm.host.lending import PREFILL_LOSS
 from duo_vllm.logs import vllm_logger
 
 ENV_VAR = "DUO_VLLM_CONFIG"
@@ -44,7 +45,7 @@ USER_OPTIONS = ("draft_model", "draft_quant", "draft_cores", "draft_window", "n_
 TUNING_OPTIONS = ("n_threads", "max_draft_len", "use_actor", "actor_name", "namespace",
                   "prompt_cache_mb", "propose_timeout_s", "max_restarts", "parallel",
                   "multi_sequence", "budget", "max_branches", "gate", "lend_cores",
-                  "sampled_drafts", "lookup_min", "lookup_max")
+                  "sampled_drafts", "lookup_min", "lookup_max", "prefill_loss")
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class DuoConfig:
     Tuning (``{"tuning": {...}}``, benchmarks and ablations): n_threads, max_draft_len,
     use_actor, actor_name, namespace, prompt_cache_mb, propose_timeout_s, max_restarts,
     parallel, multi_sequence, budget, max_branches, gate, lend_cores, sampled_drafts,
-    lookup_min, lookup_max. ``vllm_limits`` is set by DuoProposer (:meth:`follow_vllm`).
+    lookup_min, lookup_max, prefill_loss. ``vllm_limits`` is set by DuoProposer (:meth:`follow_vllm`).
     """
 
     draft_model: str | None = None
@@ -97,6 +98,7 @@ class DuoConfig:
     max_branches: int = 4
     gate: bool = True
     lend_cores: bool = True
+    prefill_loss: float = PREFILL_LOSS  # host.lending.lend_prefill
     sampled_drafts: bool = True
     lookup_min: int = 2
     lookup_max: int = 8
@@ -128,6 +130,9 @@ class DuoConfig:
         if isinstance(c, bool) or not isinstance(c, int) or c < 0:
             raise DuoConfigError(f"prompt_cache_mb must be an integer >= 0 (MiB; 0: no prompt "
                                  f"cache), got {c!r}")
+        x = self.prefill_loss
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1:
+            raise DuoConfigError(f"prefill_loss must be a number from 0 to 1, got {x!r}")
         lo, hi = self.lookup_min, self.lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise DuoConfigError(f"lookup_min and lookup_max must be integers with 1 <= "

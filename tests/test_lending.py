@@ -1,24 +1,23 @@
 """Lending the draft's cores to a CPU target (duo_vllm/host/lending.py): pure decisions, and
 the proposer switching the target's threads with the gate. No vLLM, no model."""
 
+import dataclasses
+import inspect
+from collections import OrderedDict
 from types import SimpleNamespace
 
 import numpy as np
-
-import inspect
-from collections import OrderedDict
-
 import pytest
 import torch
 
-from duo_vllm.host.lending import (ONEDNN_CACHE, MatmulPrimitives, TargetThreads, bias_variants,
-                              bind_order, lend_plan, lend_prefill, onednn_keys, onednn_linears,
-                              remake_pays)
-from duo_vllm.vllm.lender import REMAKE_WEIGHT
+from duo_vllm.control.verdict import LOOKUP, MODEL
+from duo_vllm.host.lending import (ONEDNN_CACHE, PREFILL_LOSS, MatmulPrimitives, TargetThreads,
+                                   bias_variants, bind_order, lend_plan, lend_prefill,
+                                   onednn_keys, onednn_linears, remake_pays)
 from duo_vllm.sources.base import Sources
+from duo_vllm.vllm.lender import REMAKE_WEIGHT
 from duo_vllm.vllm.model_source import ModelSource
 from tests.support.proposer_steps import FakeDraftWorker, bare, inputs, on_mode
-from duo_vllm.control.verdict import LOOKUP, MODEL
 
 
 def test_bind_order_reads_each_openmp_runtime_in_thread_order():
@@ -354,7 +353,9 @@ def test_an_idle_draft_side_lends_only_where_no_matmul_would_need_remaking(clock
     p.before_step(2)
     assert p._primitives.refreshes == 0 and p._primitives.made[2] is True
     assert cache[(2, 576, False)] == 2
-    # new prompts the draft prefills beside the target's prefill: the draft's cores
+    # new prompts the draft prefills beside the target's prefill (the rule that counts
+    # the draft's whole prefill as lost: no short prompt is lent): the draft's cores
+    p.config = dataclasses.replace(p.config, prefill_loss=1.0)
     p._prefetch, p.verdict.peek = True, lambda b, sampled, key=None: MODEL
     p.on_new_requests([SimpleNamespace(prompt_token_ids=[1, 2, 3],
                                        sampling_params=SimpleNamespace(temperature=0.0))],
@@ -389,14 +390,21 @@ def test_prompts_the_draft_will_not_draft_for_are_prefilled_on_the_lent_cores(cl
 
 
 def test_a_prefill_is_lent_where_the_target_saves_more_than_the_draft_then_spends():
-    # a 700-token prompt, the draft sees 256 of it: half of 700 saved >= 256 spent
-    assert lend_prefill(700, 256, drafting=1, full=2)
-    assert not lend_prefill(400, 256, 1, 2)  # 200 saved < 256 spent
-    assert lend_prefill(512, 256, 1, 2)  # a tie: the first tokens come sooner
+    # the whole draft prefill counted as lost (loss 1): a 700-token prompt, the draft
+    # sees 256 of it: half of 700 saved >= 256 spent
+    assert lend_prefill(700, 256, drafting=1, full=2, loss=1.0)
+    assert not lend_prefill(400, 256, 1, 2, loss=1.0)  # 200 saved < 256 spent
+    assert lend_prefill(512, 256, 1, 2, loss=1.0)  # a tie: the first tokens come sooner
     # the more cores lent, the more a lend saves: 3 of 4 cores free 300 of 400 tokens
-    assert lend_prefill(400, 256, 1, 4) and not lend_prefill(400, 256, 2, 4)
+    assert lend_prefill(400, 256, 1, 4, loss=1.0) and not lend_prefill(400, 256, 2, 4, 1.0)
+    # the default: half the draft's prefill lost (the request decodes meanwhile, without
+    # drafts): a short prompt the draft sees whole is lent on 2 cores, its first token at
+    # plain vLLM's time; one a prefix cache mostly spares the target is not
+    assert lend_prefill(120, 120, 1, 2) and lend_prefill(400, 256, 1, 2)
+    assert not lend_prefill(100, 300, 1, 2)
     # nothing for the target to compute (its prefix cache), or no core to lend: never
     assert not lend_prefill(0, 0, 1, 2) and not lend_prefill(5000, 256, 2, 2)
+    assert not lend_prefill(100, 100, 1, 2, loss=1.0)  # today's rule: only long prompts
 
 
 def test_long_prompts_are_prefilled_on_the_lent_cores_and_short_ones_beside_the_draft(clock):
@@ -410,6 +418,7 @@ def test_long_prompts_are_prefilled_on_the_lent_cores_and_short_ones_beside_the_
     w = Prefetching(drafts=[[7]])
     w.idle = False
     p, calls = lending(w)
+    p.config = dataclasses.replace(p.config, prefill_loss=1.0)  # the draft's prefill all lost
     p._prefetch, p.max_model_len = True, 2048
     p.verdict.choose = p.verdict.peek = lambda b, sampled, key=None: MODEL
     sampled, n, ids = inputs([[1, 2]])
@@ -438,6 +447,11 @@ def test_long_prompts_are_prefilled_on_the_lent_cores_and_short_ones_beside_the_
     assert p.stats()["lent_prefills"] == 1
     p.on_new_requests(new(700) + new(650), batch=2)  # 675 saved >= 512 spent
     assert calls == [1, 2, 1, 2] and p.stats()["lent_prefills"] == 2
+    # the default rule (half the draft's prefill lost): a short prompt is lent too
+    p.config = dataclasses.replace(p.config, prefill_loss=PREFILL_LOSS)
+    p.propose(sampled, n, ids)
+    p.on_new_requests(new(300), batch=1)  # 150 saved >= 128 lost
+    assert calls == [1, 2, 1, 2, 1, 2] and p.stats()["lent_prefills"] == 3
 
 
 @pytest.mark.expect_swallowed(TypeError, reason="vLLM's internals moved: a hook set to None")

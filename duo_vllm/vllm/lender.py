@@ -59,7 +59,8 @@ class CoreLending:
         target = sum(len(getattr(r, "prompt_token_ids", None) or ())
                      - (getattr(r, "num_computed_tokens", 0) or 0) for r in new_reqs)
         seen = sum(min(len(p), self._window or len(p)) for p in prompts)  # the draft's
-        return lend_prefill(target, seen, self._threads.drafting, self._threads.full)
+        return lend_prefill(target, seen, self._threads.drafting, self._threads.full,
+                            self.config.prefill_loss)
 
     def _pause_draft(self) -> None:
         """The gate turned drafting off: the draft side drops its background work. A
