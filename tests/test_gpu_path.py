@@ -107,7 +107,7 @@ def test_the_first_propose_arms_it(monkeypatch):
 # -- finding 5: Model Runner V2 forced by a HiSparse or watermark config ---------------
 
 def test_v2_forced_by_a_hisparse_or_watermark_config_names_it():
-    from duo_vllm.vllm.patches import UnsupportedVllmError, check_vllm, v2_forced_by
+    from duo_vllm.vllm.checks import UnsupportedVllmError, check_vllm, v2_forced_by
 
     plain = SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=None),
                             watermark_config=None)

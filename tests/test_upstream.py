@@ -29,7 +29,7 @@ ASYNC_REFUSED = {
 def vllm_version() -> tuple[int, int]:
     import vllm
 
-    from duo_vllm.vllm.patches import vllm_release
+    from duo_vllm.vllm.checks import vllm_release
 
     return vllm_release(vllm.__version__)
 

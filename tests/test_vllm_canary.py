@@ -22,6 +22,7 @@ import pytest
 pytest.importorskip("vllm")
 gmr = pytest.importorskip("vllm.v1.worker.gpu_model_runner")
 
+from duo_vllm.vllm import checks as vllm_checks  # noqa: E402
 from duo_vllm.vllm import patches as vllm_patches  # noqa: E402
 from duo_vllm.vllm.proposer import DuoProposer  # noqa: E402
 
@@ -54,8 +55,8 @@ def _calls(nodes, attr):
 def test_installed_vllm_is_a_supported_version():
     import vllm
 
-    assert vllm_patches.vllm_release(vllm.__version__) in vllm_patches.SUPPORTED_VLLM, (
-        f"vLLM {vllm.__version__} is not in duo_vllm.vllm.patches.SUPPORTED_VLLM: check "
+    assert vllm_checks.vllm_release(vllm.__version__) in vllm_checks.SUPPORTED_VLLM, (
+        f"vLLM {vllm.__version__} is not in duo_vllm.vllm.checks.SUPPORTED_VLLM: check "
         "every canary here, then add it there and to setup.py's 'gpu' extra")
 
 
@@ -66,7 +67,7 @@ def test_setup_pins_the_supported_versions():
     extras = ast.literal_eval(extras)
     (pin,) = [r for r in extras["gpu"] if r.startswith("vllm")]
     low, high = re.fullmatch(r"vllm>=(\d+\.\d+),<(\d+\.\d+)", pin).groups()
-    supported = sorted(vllm_patches.SUPPORTED_VLLM)
+    supported = sorted(vllm_checks.SUPPORTED_VLLM)
     assert low == "%d.%d" % supported[0]
     assert high == "%d.%d" % (supported[-1][0], supported[-1][1] + 1)
 
@@ -199,7 +200,7 @@ def test_custom_proposers_fall_back_to_v1_and_v2_is_switched_by_its_env_var():
     from vllm.config import VllmConfig
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
 
-    assert vllm_patches.V2_ENV in envs.environment_variables  # our error message names it
+    assert vllm_checks.V2_ENV in envs.environment_variables  # our error message names it
     config = SimpleNamespace(
         parallel_config=SimpleNamespace(distributed_executor_backend="mp",
                                         pipeline_parallel_size=1, use_ubatching=False),

@@ -223,7 +223,7 @@ def test_model_runner_check_accepts_v1_and_names_the_fix_for_v2():
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
 
-    from duo_vllm.vllm.patches import UnsupportedVllmError, check_model_runner
+    from duo_vllm.vllm.checks import UnsupportedVllmError, check_model_runner
 
     check_model_runner(object.__new__(gmr.GPUModelRunner), use_v2=False)
     check_model_runner(object.__new__(CPUModelRunner))
@@ -242,7 +242,7 @@ def test_model_runner_check_accepts_v1_and_names_the_fix_for_v2():
 
 def test_model_runner_check_fails_when_v1_is_gone(monkeypatch):
     gmr = pytest.importorskip("vllm.v1.worker.gpu_model_runner")
-    from duo_vllm.vllm.patches import UnsupportedVllmError, check_model_runner
+    from duo_vllm.vllm.checks import UnsupportedVllmError, check_model_runner
 
     monkeypatch.delattr(gmr.GPUModelRunner, "_update_states")
     with pytest.raises(UnsupportedVllmError, match="_update_states"):
@@ -254,7 +254,7 @@ def test_start_up_check_finds_the_runner_that_builds_the_proposer(monkeypatch):
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
 
-    from duo_vllm.vllm.patches import UnsupportedVllmError, check_vllm
+    from duo_vllm.vllm.checks import UnsupportedVllmError, check_vllm
 
     VllmConfig = type("VllmConfig", (), {"__module__": "vllm.config.vllm",
                                          "use_v2_model_runner": False})
@@ -276,7 +276,7 @@ def test_start_up_check_finds_the_runner_that_builds_the_proposer(monkeypatch):
 
 
 def test_unknown_vllm_versions_warn(caplog):
-    from duo_vllm.vllm.patches import check_vllm_version, vllm_release
+    from duo_vllm.vllm.checks import check_vllm_version, vllm_release
 
     assert vllm_release("0.32.0+cpu") == (0, 32) and vllm_release("v0.33.1rc1") == (0, 33)
     assert check_vllm_version("0.32.0") and check_vllm_version("0.33.2")

@@ -2,7 +2,7 @@
 the custom-proposer interface lacks.
 
 Each wraps a private vLLM method, is idempotent, and checks that it finds the code it
-was written for (:data:`SUPPORTED_VLLM`); ``patches/README.md`` has the long form and
+was written for (:mod:`duo_vllm.vllm.checks`); ``patches/README.md`` has the long form and
 the equivalent source diffs, ``tests/test_vllm_canary.py`` checks every private API used
 here against the installed vLLM.
 
@@ -12,19 +12,17 @@ here against the installed vLLM.
 * :func:`install_draft_free_inputs`: a step without drafts runs as plain decoding.
 * :func:`install_logprob_free_verify`: verification keeps no logits copies for logprobs
   no one asked for.
-* :func:`check_vllm`: start-up checks of vLLM's version and model runner.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import re
-import sys
 
 import torch
 
 from duo_vllm.logs import vllm_logger
+from duo_vllm.vllm.checks import V1_RUNNER, qualname, constructing_runner, supported_text
 
 logger = vllm_logger(__name__)
 
@@ -187,7 +185,7 @@ def install_new_request_hook() -> bool:
                                           NEW_REQUEST_HOOK, False):
         logger.warning("duo_vllm: vLLM's model runner %s overrides _update_states; the "
                        "new-request hook does not reach it (no parallel prefill)",
-                       _qualname(type(runner)))
+                       qualname(type(runner)))
         return False
     return True
 
@@ -268,7 +266,7 @@ def install_draft_probs_hook() -> bool:
     if runner is not None and not getattr(getattr(type(runner), "propose_draft_token_ids",
                                                   None), DRAFT_PROBS_HOOK, False):
         logger.info("duo_vllm: vLLM's model runner %s overrides propose_draft_token_ids; "
-                    "sampled requests get the draft's argmax", _qualname(type(runner)))
+                    "sampled requests get the draft's argmax", qualname(type(runner)))
         return False
     return True
 
@@ -409,122 +407,3 @@ def install_logprob_free_verify() -> bool:
     RejectionSampler.forward = with_logprob_free_verify(RejectionSampler.forward)
     Sampler.forward = with_bonus_without_logprobs(Sampler.forward)
     return True
-
-
-# ``check_vllm``: the vLLM versions and model runner the plugin is written for.
-
-SUPPORTED_VLLM = ((0, 32), (0, 33))  # (major, minor); setup.py's "gpu" extra pins the same
-V1_RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
-V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's switch between its model runners
-
-
-class UnsupportedVllmError(RuntimeError):
-    """This vLLM cannot run DuoProposer; the message says what to change."""
-
-
-def supported_text() -> str:
-    return " and ".join(f"{a}.{b}" for a, b in SUPPORTED_VLLM)
-
-
-def _qualname(cls) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def vllm_release(version: str | None) -> tuple[int, int] | None:
-    """(major, minor) of a vLLM version string ("0.32.0+cpu" -> (0, 32)); None if unparsable."""
-    m = re.match(r"\s*v?(\d+)\.(\d+)", version or "")
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
-def check_vllm_version(version: str | None) -> bool:
-    """True for a supported vLLM version; otherwise a warning, and False."""
-    if vllm_release(version) in SUPPORTED_VLLM:
-        return True
-    logger.warning(
-        "duo_vllm: vLLM %s is untested; duo_vllm supports vLLM %s (pip install "
-        "'duo_vllm[gpu]' installs one). It uses private vLLM APIs that may have changed: "
-        "check the start-up log for duo_vllm warnings", version, supported_text())
-    return False
-
-
-def constructing_runner(max_depth: int = 16):
-    """The ``*ModelRunner`` bound to ``self`` in a calling frame, else None: vLLM builds
-    the custom proposer in its runner's constructor, so from DuoProposer.__init__ this
-    is the runner the proposer will serve."""
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        obj = frame.f_locals.get("self")
-        if obj is not None and type(obj).__name__.endswith("ModelRunner"):
-            return obj
-        frame = frame.f_back
-    return None
-
-
-def _v2_message(what: str, fix: str = "") -> str:
-    fix = fix or (f"unset {V2_ENV} or set {V2_ENV}=0 (vLLM then picks V1 for custom "
-                  f"proposers by itself)")
-    return (f"DuoProposer needs vLLM's V1 model runner ({V1_RUNNER}), but {what}. vLLM's "
-            f"Model Runner V2 does not run custom proposers. Fix: {fix}")
-
-
-def check_model_runner(runner=None, use_v2: bool | None = None) -> None:
-    """Raise :class:`UnsupportedVllmError` unless DuoProposer runs on V1's
-    ``GPUModelRunner`` (or a subclass, as the CPU runner), with ``_update_states``.
-
-    ``runner``: the runner building the proposer; ``use_v2``:
-    ``VllmConfig.use_v2_model_runner`` (None: unknown, either).
-    """
-    if use_v2:
-        raise UnsupportedVllmError(_v2_message("vLLM's config selects Model Runner V2"))
-    try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except ImportError as e:
-        raise UnsupportedVllmError(
-            f"DuoProposer needs vLLM's V1 model runner ({V1_RUNNER}), which this vLLM "
-            f"does not have ({e}). duo_vllm supports vLLM {supported_text()}") from e
-    if not callable(getattr(GPUModelRunner, "_update_states", None)):
-        raise UnsupportedVllmError(
-            f"DuoProposer needs {V1_RUNNER}._update_states, which this vLLM does not "
-            f"have. duo_vllm supports vLLM {supported_text()}")
-    if runner is None or isinstance(runner, GPUModelRunner):
-        return
-    cls = type(runner)
-    if ".v1.worker.gpu." in f"{cls.__module__}." or ".v1.worker.cpu." in f"{cls.__module__}.":
-        raise UnsupportedVllmError(_v2_message(f"this worker runs {_qualname(cls)}"))
-    raise UnsupportedVllmError(
-        f"DuoProposer needs vLLM's V1 model runner ({V1_RUNNER} or a subclass, such as "
-        f"the CPU runner), but this worker runs {_qualname(cls)}. duo_vllm supports "
-        f"vLLM {supported_text()} on CUDA and CPU")
-
-
-def check_vllm(vllm_config) -> None:
-    """Start-up checks, first thing in DuoProposer.__init__ on every rank: a warning for
-    a vLLM outside :data:`SUPPORTED_VLLM`, :class:`UnsupportedVllmError` (stops vLLM's
-    start-up) off V1's model runner. A config not of vLLM's own class is not checked."""
-    if not type(vllm_config).__module__.startswith("vllm."):
-        return
-    import vllm
-
-    check_vllm_version(getattr(vllm, "__version__", None))
-    try:
-        use_v2 = vllm_config.use_v2_model_runner is True
-    except AttributeError:  # a vLLM without the switch
-        use_v2 = None
-    forced = v2_forced_by(vllm_config)
-    if use_v2 and forced:
-        raise UnsupportedVllmError(_v2_message(
-            f"vLLM runs Model Runner V2 whenever {forced} is set, whatever {V2_ENV} says",
-            f"remove {forced}, or serve without DuoProposer"))
-    check_model_runner(constructing_runner(), use_v2)
-
-
-def v2_forced_by(vllm_config) -> str | None:
-    """What makes vLLM 0.33 run Model Runner V2 whatever ``V2_ENV`` says (a HiSparse or
-    a watermark config), or None."""
-    if getattr(getattr(vllm_config, "attention_config", None), "hisparse_config", None):
-        return "a HiSparse config (attention_config.hisparse_config)"
-    if getattr(vllm_config, "watermark_config", None) is not None:
-        return "a watermark config (watermark_config)"
-    return None

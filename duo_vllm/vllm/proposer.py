@@ -33,8 +33,9 @@ from duo_vllm.vllm import rows as rows_of
 from duo_vllm.vllm.draft_side import DraftSide
 from duo_vllm.vllm.lender import REMAKE_S, CoreLending
 from duo_vllm.vllm.model_source import ModelSource
+from duo_vllm.vllm.checks import check_vllm
 from duo_vllm.vllm.patches import (
-    arm_logprob_free_verify, check_vllm, fix_cpu_expand_kernel, install_draft_free_inputs,
+    arm_logprob_free_verify, fix_cpu_expand_kernel, install_draft_free_inputs,
     install_draft_probs_hook, install_logprob_free_verify, install_new_request_hook,
 )
 
