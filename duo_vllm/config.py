@@ -64,10 +64,8 @@ class DuoConfig:
         draft_gpu_layers: layers llama.cpp may offload to a GPU (0: none, -1: all).
         ray_address / resources: the Ray cluster to join and the actor's resources there.
 
-    Tuning (``{"tuning": {...}}``, benchmarks and ablations): n_threads, max_draft_len,
-    use_actor, actor_name, namespace, prompt_cache_mb, propose_timeout_s, max_restarts,
-    parallel, multi_sequence, budget, max_branches, gate, lend_cores, sampled_drafts,
-    lookup_min, lookup_max, prefill_loss. ``vllm_limits`` is set by DuoProposer (:meth:`follow_vllm`).
+    Tuning (``{"tuning": {...}}``, benchmarks and ablations): :data:`TUNING_OPTIONS`.
+    ``vllm_limits`` is set by DuoProposer (:meth:`follow_vllm`).
     """
 
     draft_model: str | None = None

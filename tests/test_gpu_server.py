@@ -64,7 +64,7 @@ def test_ranks_whose_drafts_vllm_drops_never_touch_ray(monkeypatch, tp_rank, las
 
 def test_the_output_rank_drafts_and_each_data_parallel_replica_has_its_own_actor(monkeypatch):
     pytest.importorskip("vllm")
-    from duo_vllm.vllm.proposer import parallel_role
+    from duo_vllm.vllm.rows import parallel_role
 
     fake_groups(monkeypatch, 0)
     assert parallel_role(spec_config()) == (True, 0)

@@ -8,7 +8,7 @@ import torch
 
 from duo_vllm.vllm import draft_side as draft_side_mod
 from duo_vllm.config import DuoConfig
-from duo_vllm.vllm.proposer import valid_prefix
+from duo_vllm.vllm.rows import valid_prefix
 from duo_vllm.control.verdict import LOOKUP, MODEL, PLAIN
 from duo_vllm.sources.base import Sources
 from duo_vllm.vllm.model_source import ModelSource

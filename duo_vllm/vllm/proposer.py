@@ -30,6 +30,7 @@ from duo_vllm.control.verdict import LOOKUP, MODEL, PLAIN, Verdict, capped
 from duo_vllm.control.goodput import regime
 from duo_vllm.sources.base import Proposal, Sources, free_sources
 from duo_vllm.vllm import rows as rows_of
+from duo_vllm.vllm.rows import parallel_role, valid_prefix
 from duo_vllm.vllm.draft_side import DraftSide
 from duo_vllm.vllm.lender import REMAKE_S, CoreLending
 from duo_vllm.vllm.model_source import ModelSource
@@ -484,31 +485,3 @@ class DuoProposer(DraftSide, CoreLending):
         if self._passive or self.config.lookup_only:
             return self._local_stats()
         return {**self._call("stats"), **self._local_stats()}
-
-
-def valid_prefix(draft, vocab_size: int) -> list[int]:
-    """The draft up to its first token outside the target's vocabulary."""
-    out = []
-    for t in draft:
-        t = int(t)
-        if not 0 <= t < vocab_size:
-            break
-        out.append(t)
-    return out
-
-
-def parallel_role(vllm_config) -> tuple[bool, int]:
-    """(does this rank draft?, its data-parallel rank).
-
-    vLLM builds the proposer on every worker but uses the drafts of its output
-    rank only: tensor-parallel rank 0 of the last pipeline stage.
-    """
-    dp_rank = int(getattr(getattr(vllm_config, "parallel_config", None),
-                          "data_parallel_rank", 0) or 0)
-    try:
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
-        tp, pp = get_tp_group(), get_pp_group()
-    except Exception:  # no vLLM, or its groups are not set up (one process, tests)
-        return True, dp_rank
-    return tp.rank_in_group == 0 and pp.is_last_rank, dp_rank

@@ -1,6 +1,7 @@
 """What vLLM's model runner says of each row of a step: its request, its sampling
 settings, the tokens it has left. Pure reads of ``runner.input_batch`` and
-``runner.requests``; ``None`` wherever vLLM does not say."""
+``runner.requests``; ``None`` wherever vLLM does not say. Also which rank drafts, and
+the part of a draft vLLM can take."""
 
 from __future__ import annotations
 
@@ -80,3 +81,31 @@ def token_counts(runner, rows: list[int], num_tokens_no_spec) -> dict | None:
     if ids is None:
         return None
     return {ids[i]: int(num_tokens_no_spec[i]) for i in rows if i < len(ids)}
+
+
+def valid_prefix(draft, vocab_size: int) -> list[int]:
+    """The draft up to its first token outside the target's vocabulary."""
+    out = []
+    for t in draft:
+        t = int(t)
+        if not 0 <= t < vocab_size:
+            break
+        out.append(t)
+    return out
+
+
+def parallel_role(vllm_config) -> tuple[bool, int]:
+    """(does this rank draft?, its data-parallel rank).
+
+    vLLM builds the proposer on every worker but uses the drafts of its output
+    rank only: tensor-parallel rank 0 of the last pipeline stage.
+    """
+    dp_rank = int(getattr(getattr(vllm_config, "parallel_config", None),
+                          "data_parallel_rank", 0) or 0)
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        tp, pp = get_tp_group(), get_pp_group()
+    except Exception:  # no vLLM, or its groups are not set up (one process, tests)
+        return True, dp_rank
+    return tp.rank_in_group == 0 and pp.is_last_rank, dp_rank
