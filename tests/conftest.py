@@ -67,6 +67,8 @@ def session_tmp(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def plain_greedy(session_tmp, target_dir, specbench_chat):
-    """Plain vLLM's greedy output on the ten prompts: the reference."""
+    """Plain vLLM's greedy output on the ten prompts: the reference; then four of them at
+    once, each step's calls traced (what a draft-free speculative step must match)."""
     return run_vllm(session_tmp, "plain", target=target_dir, prompts=specbench_chat,
-                    max_tokens=64, speculative_config=None)
+                    max_tokens=64, speculative_config=None,
+                    then_batched=specbench_chat[:4], trace=True)

@@ -5,6 +5,7 @@ import pytest
 from duo_vllm.cli import speculative_config
 from duo_vllm.config import nest_tuning
 from tests.support.engines import E2E_ENV, run_vllm
+from tests.support import step_trace
 
 pytestmark = pytest.mark.e2e
 
@@ -60,6 +61,7 @@ def test_greedy_output_equals_plain_vllm(combo, session_tmp, target_dir, specben
                    max_tokens=64, sequential=sequential,
                    env={**E2E_ENV, **ENV.get(combo, {})},
                    then_batched=specbench_chat[:THEN_BATCHED.get(combo, 0)],
+                   trace=combo in THEN_BATCHED,
                    speculative_config=speculative_config(LOOKUP_K.get(combo, 4),
                                                          nest_tuning(duo_cfg)))
     assert len(specbench_chat) >= 10
@@ -110,6 +112,14 @@ def test_greedy_output_equals_plain_vllm(combo, session_tmp, target_dir, specben
                                 ("capped_steps", "propose_calls", "propose_steps"))
         assert before["capped_steps"] == 0 and capped > 0, stats
         assert calls <= steps - capped, (before, stats)
+        # and each step without drafts ran plain vLLM's code, the proposer's call aside:
+        # the same step functions, in the same order, as plain vLLM's steps on those
+        # prompts (inputs prepared for plain decoding, the plain sampler, no rejection
+        # sampler). Some steps may verify drafts: while the first prompt prefills alone,
+        # or the last one decodes alone, the batch is 1, under the cap.
+        free = step_trace.steps(duo["then_trace"], drafts=False)
+        plain = step_trace.steps(plain_greedy["then_trace"])
+        assert len(free) >= 32 and set(free) == set(plain), (set(free), set(plain))
         return
     if duo_cfg.get("parallel", True):
         assert stats["predraft_hit_rate"] > 0.3, stats  # drafts served without waiting

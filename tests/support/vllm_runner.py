@@ -7,7 +7,8 @@ request.json: {"target", "prompts" (chat-formatted text), "max_tokens",
 variables), "max_model_len", "max_num_seqs", "dtype" (default float32: the
 default target's own dtype), "n", "seed" or "seeds" (one per prompt), "eager"
 (vLLM's enforce_eager), "then_batched" (prompts generated all at once after the
-others, in the same engine)}. Keeping each engine in a process of its own
+others, in the same engine), "trace" (with then_batched: which of vLLM's step functions
+each of those steps called, tests/support/step_trace.py)}. Keeping each engine in a process of its own
 isolates the tests from vLLM's process and signal handling, and frees all of an
 engine's memory and Ray processes when it exits.
 """
@@ -46,8 +47,14 @@ def main() -> int:
     result = {}
     if req.get("then_batched"):  # prompts asked all at once afterwards, in the same engine
         result["draft_stats_before_batched"] = draft_stats(llm)
+        if req.get("trace"):
+            from tests.support import step_trace
+
+            llm.llm_engine.collective_rpc(step_trace.install)
         then = llm.generate(req["then_batched"], params, use_tqdm=False)
         result["then_token_ids"] = [[list(c.token_ids) for c in o.outputs] for o in then]
+        if req.get("trace"):
+            result["then_trace"] = llm.llm_engine.collective_rpc(step_trace.collect)[0]
     result |= {
         "token_ids": [[list(c.token_ids) for c in o.outputs] for o in outs],
         "text": [[c.text for c in o.outputs] for o in outs],
