@@ -26,12 +26,9 @@ _VLLM_LIMIT_KEYS = ("given", "max_model_len", "max_num_seqs", "vocab_size")
 
 DEFAULT_N_CTX = 2048  # n_ctx where neither the user nor vLLM says (DraftWorker on its own)
 DEFAULT_MAX_SEQUENCES = 8  # the fewest requests the draft keeps unless the user says
-# the most unless the user says: an idle slot keeps KV cells every draft token attends over
-MAX_DEFAULT_SEQUENCES = 16
-# llama.cpp's LLAMA_MAX_SEQ: sequences one context holds; a draft branch is a sequence
-LLAMA_MAX_SEQ = 256
-# KV cells (max_sequences * n_ctx) the derived defaults may ask llama.cpp to allocate
-DRAFT_KV_TOKENS = 65536
+MAX_DEFAULT_SEQUENCES = 16  # the most unless the user says (idle slots' KV costs tokens)
+LLAMA_MAX_SEQ = 256  # llama.cpp's sequences a context holds; a draft branch is a sequence
+DRAFT_KV_TOKENS = 65536  # KV cells (max_sequences * n_ctx) the derived defaults may allocate
 
 
 class DuoConfigError(ValueError):
