@@ -24,7 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from .run import METHODS, base_method, engine_request, shape_key, shapes_of, worker_command
+from .run import (METHODS, Unavailable, base_method, engine_request, shape_key, shapes_of,
+                  worker_command)
 
 # vLLM's engine core spins for about a second after its last step: the next engine's
 # measurement starts after it
@@ -90,10 +91,11 @@ def run_interleaved(methods: list[str], target: str, prompts, tasks, args, work:
     results, engines = {}, {}
     try:
         for name in methods:  # one at a time: start-up compiles
-            req_path, env, cwd = engine_request(name, target, prompts, tasks, args, work,
-                                                None, draft)
-            if req_path is None:
-                results[name] = {"available": False, "reason": env}
+            try:
+                req_path, spec, env, cwd = engine_request(name, target, prompts, tasks,
+                                                          args, work, None, draft)
+            except Unavailable as e:
+                results[name] = {"available": False, "reason": str(e)}
                 continue
             engine = Engine(name, req_path, env, cwd, work)
             why = engine.wait_ready()
@@ -105,7 +107,7 @@ def run_interleaved(methods: list[str], target: str, prompts, tasks, args, work:
                 continue
             engines[name] = engine
             results[name] = {"available": True, "bind": METHODS[base_method(name)]["bind"],
-                             "spec": json.loads(req_path.read_text())["spec"], "shapes": []}
+                             "spec": spec, "shapes": []}
             log(f"[interleave] {name}: ready")
         shapes = shapes_of(args)
         live = list(engines)

@@ -462,10 +462,14 @@ def base_method(name: str) -> str:
     return name.split("~")[0]
 
 
+class Unavailable(Exception):
+    """The method cannot run here; the message says why."""
+
+
 def engine_request(name: str, target: str, prompts, tasks, args, workdir: Path,
                    oracle_file: Path | None, draft: str | None = None):
-    """What the method's engine process gets: (request file, environment, cwd), or
-    (None, reason, None) where it cannot run here."""
+    """What the method's engine process gets: (request file, its speculative config,
+    environment, cwd); :class:`Unavailable` where it cannot run here."""
     m = METHODS[base_method(name)]
     req = {"name": name, "target": target, "prompts": prompts, "tasks": tasks,
            "spec": method_spec(base_method(name), target, draft, args.k, args.lookup_k),
@@ -479,7 +483,7 @@ def engine_request(name: str, target: str, prompts, tasks, args, workdir: Path,
     if m.get("iomp"):
         iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
         if not iomp.is_file():
-            return None, f"no {iomp} (pip install intel-openmp)", None
+            raise Unavailable(f"no {iomp} (pip install intel-openmp)")
         env["LD_PRELOAD"] = " ".join(filter(None, [str(iomp), env.get("LD_PRELOAD", "")]))
     if oracle_file is not None:
         env["DUO_ORACLE_FILE"] = str(oracle_file)
@@ -490,14 +494,14 @@ def engine_request(name: str, target: str, prompts, tasks, args, workdir: Path,
     else:  # that tree's duo_vllm in the engine (this tree's worker code)
         cwd = os.environ.get("DUO_BASE_SRC")
         if not cwd or not (Path(cwd) / "duo_vllm").is_dir():
-            return None, "DUO_BASE_SRC names no source tree", None
+            raise Unavailable("DUO_BASE_SRC names no source tree")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, env.get("PYTHONPATH", "")]))
         if not any((Path(cwd) / "duo_vllm" / p).is_file()
                    for p in ("plugin.py", "vllm/plugin.py")):
             env["VLLM_PLUGINS"] = ""  # that tree has no vLLM plugin for the entry point
     if m.get("no_plugin"):
         env["VLLM_PLUGINS"] = ""  # vLLM loads no general plugin, duo_vllm's included
-    return req_path, env, cwd
+    return req_path, req["spec"], env, cwd
 
 
 def worker_command(*args: str) -> list[str]:
@@ -508,11 +512,11 @@ def worker_command(*args: str) -> list[str]:
 
 def run_method(name: str, target: str, prompts, tasks, args, workdir: Path,
                oracle_file: Path | None, draft: str | None = None) -> dict:
-    req_path, env, cwd = engine_request(name, target, prompts, tasks, args, workdir,
-                                        oracle_file, draft)
-    if req_path is None:
-        return {"available": False, "reason": env}
-    spec = json.loads(req_path.read_text())["spec"]
+    try:
+        req_path, spec, env, cwd = engine_request(name, target, prompts, tasks, args,
+                                                  workdir, oracle_file, draft)
+    except Unavailable as e:
+        return {"available": False, "reason": str(e)}
     out_path = workdir / f"{name}.out.json"
     log_path = workdir / f"{name}.log"
     t0 = time.time()
