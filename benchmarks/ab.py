@@ -61,11 +61,11 @@ def _setter(name: str, settings: dict):
         from duo_vllm.control.verdict import Verdict
 
         p = worker.model_runner.drafter
-        ab = p.__dict__.setdefault("_ab", {"lookup": p.lookup, "verdicts": {}})
+        ab = p.__dict__.setdefault("_ab", {"lookup": p.sources, "verdicts": {}})
         if name not in ab["verdicts"]:
             ab["verdicts"][name] = Verdict(p.verdict.modes, **settings.get("verdict", {}))
         p.verdict = ab["verdicts"][name]
-        p.lookup = ab["lookup"] if settings.get("lookup", True) else None
+        p.sources = ab["lookup"] if settings.get("lookup", True) else None
         p.hold(settings.get("hold", False))
         return True
 
@@ -79,7 +79,7 @@ def rounds(args) -> dict:
     from vllm import LLM, SamplingParams
 
     from duo_vllm.models import default_draft_gguf, prepare_default_target
-    from duo_vllm.prompts import chat_prompts
+    from tests.support.specbench import chat_prompts
 
     from .run import load_prompts, method_spec
 

@@ -56,7 +56,7 @@ def main(argv=None) -> None:
     from vllm import LLM, SamplingParams
 
     from duo_vllm.models import default_draft_gguf, prepare_default_target
-    from duo_vllm.prompts import chat_prompts
+    from tests.support.specbench import chat_prompts
 
     from .run import load_prompts, method_spec
 

@@ -40,7 +40,7 @@ def main() -> None:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from duo_vllm.prompts import chat_prompts, load_specbench
+    from tests.support.specbench import chat_prompts, load_specbench
 
     model = PROPOSERS[args.mode]
     spec = None if model is None else {"model": model, "num_speculative_tokens": 4}

@@ -52,7 +52,7 @@ def main(argv=None) -> None:
     from vllm import LLM, SamplingParams
 
     from duo_vllm.models import prepare_default_target
-    from duo_vllm.prompts import chat_prompts, load_specbench
+    from tests.support.specbench import chat_prompts, load_specbench
 
     from .run import method_spec
 

@@ -139,7 +139,7 @@ def latency(results: list[LoadResult]) -> dict:
 def main(argv=None) -> int:
     from duo_vllm.cli import speculative_config
     from duo_vllm.models import prepare_default_target
-    from duo_vllm.prompts import load_specbench
+    from tests.support.specbench import load_specbench
 
     from .server import Server
 

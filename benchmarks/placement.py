@@ -58,7 +58,7 @@ def main() -> None:
 
     from benchmarks.run import method_spec
     from duo_vllm.models import prepare_default_target
-    from duo_vllm.prompts import chat_prompts, load_specbench
+    from tests.support.specbench import chat_prompts, load_specbench
 
     target = prepare_default_target()
     prompts = chat_prompts(AutoTokenizer.from_pretrained(target),

@@ -106,7 +106,7 @@ def agreement(source: str, other: str, per_task: int = 2, new_tokens: int = 96) 
     from transformers import AutoTokenizer
 
     from duo_vllm.models import prepare_default_target
-    from duo_vllm.prompts import chat_prompts, load_specbench
+    from tests.support.specbench import chat_prompts, load_specbench
 
     tok = AutoTokenizer.from_pretrained(prepare_default_target())
     texts = chat_prompts(tok, [p for _, p in load_specbench(per_task=per_task)])

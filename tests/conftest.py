@@ -54,7 +54,7 @@ def tokenizer(target_dir):
 @pytest.fixture(scope="session")
 def specbench_chat(tokenizer):
     """Ten Spec-Bench prompts, two per task, in the target's chat format."""
-    from duo_vllm.prompts import chat_prompts, load_specbench
+    from tests.support.specbench import chat_prompts, load_specbench
 
     pairs = load_specbench(per_task=2)
     return chat_prompts(tokenizer, [p for _, p in pairs])

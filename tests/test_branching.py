@@ -56,7 +56,7 @@ def test_split_budget(total, weights, alpha, cap, want):
 
 
 def test_select_branch_needs_full_acceptance_and_a_matching_first_token():
-    tree = Tree(np.array([1, 2, 3]), [Branch([7, 8, 9], 0.6, 0), Branch([5, 6], 0.3, 9)])
+    tree = Tree(np.array([1, 2, 3]), [Branch([7, 8, 9], 0), Branch([5, 6], 9)])
     assert select_branch(tree, np.array([1, 2, 3, 5])).tokens == [5, 6]
     assert select_branch(tree, np.array([1, 2, 3, 7])).seq_id == 0
     assert select_branch(tree, np.array([1, 2, 3, 4])) is None  # sampled outside the branches
@@ -74,7 +74,7 @@ def test_select_branch_needs_full_acceptance_and_a_matching_first_token():
 def test_select_branch_follows_a_branch_for_several_tokens_with_one_left_to_serve():
     """A tree rooted inside the draft served: the target's accepted tokens and its own
     next one may run along a branch."""
-    tree = Tree(np.array([1, 2]), [Branch([5, 6, 7], 0.9, 0), Branch([8, 9], 0.1, 4)])
+    tree = Tree(np.array([1, 2]), [Branch([5, 6, 7], 0), Branch([8, 9], 4)])
     assert select_branch(tree, np.array([1, 2, 5, 6])).seq_id == 0  # 7 left to serve
     assert select_branch(tree, np.array([1, 2, 5, 6, 7])) is None  # nothing left
     assert select_branch(tree, np.array([1, 2, 5, 9])) is None  # off the branch

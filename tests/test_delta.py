@@ -12,7 +12,7 @@ from duo_vllm.config import DuoConfig
 from duo_vllm.runtime.delta import Delta, DeltaReceiver, DeltaSender, Drafts
 from duo_vllm.vllm.proposer import DuoProposer
 from duo_vllm.runtime.message import StepRequest
-from tests.support.fakes import FakeBackend
+from tests.support.fakes import FakeBackend, wait_idle
 
 
 def grow(rng, contexts, lo=1, hi=4):
@@ -238,13 +238,13 @@ def test_a_step_that_cannot_wait_leaves_decoded_contexts_and_the_next_delta_work
         sender = DeltaSender()
         ctx = [np.arange(1, 12, dtype=np.int32)]
         w.propose(StepRequest(sender.encode(["a"], ctx), [3], 0.05))
-        assert w.wait_idle()
+        assert wait_idle(w)
         ctx = [np.append(ctx[0], np.int32(5))]
         with w._lock:  # the drafter is busy: this step goes without a draft
             drafts = w.propose(StepRequest(sender.encode(["a"], ctx), [3], 0.05))
             assert drafts == [[]] and not hasattr(drafts, "resend")
             np.testing.assert_array_equal(w._stash.contexts[0], ctx[0])  # full, for the pre-draft
-        assert w.wait_idle()
+        assert wait_idle(w)
         ctx = [np.append(ctx[0], np.int32(6))]
         delta = sender.encode(["a"], ctx)
         assert delta.starts == [12]

@@ -7,7 +7,7 @@ from duo_vllm.draft.drafter import DraftPolicy, DuoDrafter
 from duo_vllm.control.drafting import CATCH_UP, PREFILL_CHUNK
 from duo_vllm.control.goodput import PROBE_EVERY
 from duo_vllm.runtime.message import StepRequest
-from tests.support.fakes import FakeBackend
+from tests.support.fakes import FakeBackend, hint_of, wait_idle
 
 
 def ctx(*xs):
@@ -264,7 +264,6 @@ def test_controller_drafts_nothing_when_drafting_does_not_pay():
 def test_a_miss_with_a_good_lookup_copy_is_not_drafted_on_the_spot():
     """vLLM does not wait for a model draft where the request's lookup draft, served
     anyway, is as likely accepted: the draft core pre-drafts from the copy's end."""
-    from duo_vllm.control.serving import Hint
 
     def step(hint):
         be, d = make(auto())
@@ -276,11 +275,11 @@ def test_a_miss_with_a_good_lookup_copy_is_not_drafted_on_the_spot():
     be, d, draft = step(None)  # no copy: drafted on the spot
     assert draft and d.stats.sync_calls == 1 and d.stats.lookup_misses == 0
     copy = [7, 7, 7, 7]
-    be, d, draft = step(Hint.of(copy, 0.88, 0.9, 0.0))
+    be, d, draft = step(hint_of(copy, 0.88, 0.9, 0.0))
     assert draft == [] and be.decode_calls == 0 and d.stats.sync_calls == 0
     assert d.stats.lookup_misses == 1
     assert list(d.jobs[0].prefix) == [1, 2, 3, *copy]  # pre-drafted from the copy's end
-    be, d, draft = step(Hint.of(copy, 0.88, 0.1, 0.0))  # a copy it rarely accepts
+    be, d, draft = step(hint_of(copy, 0.88, 0.1, 0.0))  # a copy it rarely accepts
     assert draft and d.stats.sync_calls == 1
 
 
@@ -500,7 +499,7 @@ def test_worker_never_makes_vllm_wait_for_a_prefill():
         assert be.under_way == 1 and be.expired == 0
         assert w.drafter.stats.skipped_busy >= 3
         be.release()
-        assert w.wait_idle(timeout=10)
+        assert wait_idle(w, timeout=10)
         seq = np.append(seq, np.int32(be.next_token(int(seq[-1]))))
         (draft,) = w.propose(StepRequest([seq], [3], 0.05))
         assert draft == be.chain(int(seq[-1]), 3) and be.expired == 0
@@ -561,7 +560,7 @@ def test_worker_prefetch_returns_at_once_and_the_first_step_hits():
         # test after prefetch() returned
         assert be.entered.wait(30) and be.under_way == 1
         be.release()
-        assert w.wait_idle(timeout=10)  # meanwhile the target prefills
+        assert wait_idle(w, timeout=10)  # meanwhile the target prefills
         b = be.next_token(int(prompt[-1]))
         (draft,) = w.propose(StepRequest([np.append(prompt, np.int32(b))], [3], 0.05))
         assert draft == be.chain(b, 3)
@@ -585,7 +584,7 @@ def test_a_long_prompt_in_the_background_never_blanks_the_other_rows():
     try:
         short = ctx(1, 2, 3)
         assert w.propose(StepRequest([short], [2], 0.2)) == [be.chain(3, 2)]  # a request decoding
-        assert w.wait_idle(timeout=10)
+        assert wait_idle(w, timeout=10)
         long_prompt = ctx(*[(3 * i) % 50 for i in range(300)])
         assert w.prefetch([long_prompt]) == 1  # a new request: prefilled in the background
         time.sleep(0.05)
@@ -630,7 +629,7 @@ def test_stats_do_not_wait_out_a_background_prefill():
         assert w.stats()["prefetched_prompts"] == 1
         assert be.under_way == 1  # answered while the chunk was still held
         be.release()
-        assert w.wait_idle(timeout=10)  # the prefill went on
+        assert wait_idle(w, timeout=10)  # the prefill went on
         b = be.next_token(int(prompt[-1]))
         (draft,) = w.propose(StepRequest([np.append(prompt, np.int32(b))], [3], 0.05))
         assert draft == be.chain(b, 3) and be.expired == 0
@@ -640,15 +639,15 @@ def test_stats_do_not_wait_out_a_background_prefill():
 
 
 def test_a_served_lookup_continuation_is_pre_drafted_from_its_end():
-    """The proposer serves choose(model draft, lookup); the drafter pre-drafts from the
-    end of the same, so the step after an accepted lookup finds its branch ready."""
-    from duo_vllm.control.serving import Hint
+    """The proposer serves the model draft and the lookup folded (serve); the drafter
+    pre-drafts from the end of the same, so the step after an accepted lookup finds its
+    branch ready."""
 
     be, d = make(DraftPolicy(k=4, parallel=True, budget=2, multi_sequence=False))
     prompt = ctx(1, 2)
     model = be.chain(2, 2)
     lookup = be.chain(2, 5)  # agrees with the model's draft and goes 3 tokens further
-    (draft,) = d.propose(StepRequest([prompt], [4], hints=[Hint.of(lookup, 0.9, 0.8, 0.0)]))
+    (draft,) = d.propose(StepRequest([prompt], [4], hints=[hint_of(lookup, 0.9, 0.8, 0.0)]))
     assert draft == model  # the drafter returns its own draft; the proposer combines
     assert list(d.jobs[0].prefix) == [1, 2, *lookup]
     assert d.stats.lookup_predrafts == 1
@@ -666,13 +665,13 @@ def test_a_served_lookup_continuation_is_pre_drafted_from_its_end():
 ])
 def test_the_pre_draft_continues_what_the_proposer_serves(lookup, alpha_lookup, threshold,
                                                           served):
-    from duo_vllm.control.serving import Hint, choose
+    from duo_vllm.control.serving import serve
 
     be, d = make(DraftPolicy(k=4, parallel=True, budget=2, multi_sequence=False))
     lookup = be.chain(2, 4) if lookup is None else lookup
-    hint = Hint.of(lookup, 0.9, alpha_lookup, threshold)
+    hint = hint_of(lookup, 0.9, alpha_lookup, threshold)
     (own,) = d.propose(StepRequest([ctx(1, 2)], [4], hints=[hint]))
-    want, source = choose(own, lookup, hint.alpha_model, alpha_lookup, hint.threshold)
+    want, source = serve(own, False, hint)
     assert source == served
     assert list(d.jobs[0].prefix) == [1, 2, *want]
 
@@ -689,7 +688,7 @@ def test_pause_drops_the_background_work_and_the_next_step_resumes():
         started = be.started
         w.pause()  # the gate turned drafting off
         be.release()
-        assert w.wait_idle(timeout=10)
+        assert wait_idle(w, timeout=10)
         # the chunk under way ended; no decode call followed it
         assert be.started == started and be.expired == 0
         held = max(len(s.tokens) for s in w.drafter.pool.slots)
@@ -698,7 +697,7 @@ def test_pause_drops_the_background_work_and_the_next_step_resumes():
         assert max(len(s.tokens) for s in w.drafter.pool.slots) == held < 300  # idle
         seq = np.append(long, np.int32(be.next_token(int(long[-1]))))
         assert w.propose(StepRequest([seq], [3], 0.05)) == [[]]  # drafting resumes: prefilled again
-        assert w.wait_idle(timeout=20)
+        assert wait_idle(w, timeout=20)
         seq = np.append(seq, np.int32(be.next_token(int(seq[-1]))))
         assert w.propose(StepRequest([seq], [3], 0.05))[0] == be.chain(int(seq[-1]), 3)
     finally:
@@ -721,7 +720,7 @@ def test_a_pause_that_waits_returns_once_the_decode_call_under_way_has_ended():
         be.events.append("pause returned")
         assert be.events == ["decode ended", "pause returned"]  # it waited out the chunk
         releaser.join()
-        assert w.wait_idle(timeout=10)
+        assert wait_idle(w, timeout=10)
         assert be.started == started and be.expired == 0  # and nothing followed it
     finally:
         be.release()
@@ -734,7 +733,7 @@ def test_the_worker_says_when_nothing_runs_in_the_background_during_the_step():
         seq = ctx(*range(1, 12))
         drafts = w.propose(StepRequest([seq], [3], 0.05))  # a pre-draft queued for the next step
         assert not getattr(drafts, "idle", False)
-        assert w.wait_idle(timeout=5)
+        assert wait_idle(w, timeout=5)
 
         def plan_nothing(*args, **kwargs):  # the controller plans no pre-draft
             w.drafter.jobs = []
@@ -851,12 +850,11 @@ def test_a_weak_lookup_tail_is_pre_drafted_from_where_it_parts_from_the_model():
     the copy leaves the model's own draft, so the target's token there (the model's
     guess), or copied tokens the model's chain also follows and then the target's
     own, find their branch ready."""
-    from duo_vllm.control.serving import Hint
 
     def first_step(lookup, alpha_lookup=0.4):
         be, d = make(DraftPolicy(k=4, parallel=True, budget=3, multi_sequence=False))
         (draft,) = d.propose(StepRequest([ctx(1, 2)], [4],
-                                         hints=[Hint.of(lookup, 0.9, alpha_lookup, 0.0)]))
+                                         hints=[hint_of(lookup, 0.9, alpha_lookup, 0.0)]))
         assert draft == be.chain(2, 3) == [17, 22, 7]  # the model's own
         return be, d
 

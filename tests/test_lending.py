@@ -1,5 +1,6 @@
-"""Lending the draft's cores to a CPU target (duo_vllm/host/lending.py): pure decisions, and
-the proposer switching the target's threads with the gate. No vLLM, no model."""
+"""Lending the draft's cores to a CPU target (duo_vllm/host/lending.py; its pure decisions in
+duo_vllm/control/lending.py), and the proposer switching the target's threads with the gate.
+No vLLM, no model."""
 
 import dataclasses
 import inspect
@@ -11,9 +12,9 @@ import pytest
 import torch
 
 from duo_vllm.control.verdict import LOOKUP, MODEL
-from duo_vllm.host.lending import (ONEDNN_CACHE, PREFILL_LOSS, MatmulPrimitives, TargetThreads,
-                                   bias_variants, bind_order, lend_plan, lend_prefill,
-                                   onednn_keys, onednn_linears, remake_pays)
+from duo_vllm.control.lending import PREFILL_LOSS, lend_prefill, remake_pays
+from duo_vllm.host.lending import (ONEDNN_CACHE, MatmulPrimitives, TargetThreads, bind_order,
+                                   lend_plan)
 from duo_vllm.sources.base import Sources
 from duo_vllm.vllm.lender import REMAKE_WEIGHT
 from duo_vllm.vllm.model_source import ModelSource
@@ -109,8 +110,8 @@ def test_a_refresh_leaves_no_primitive_made_for_fewer_threads():
         onednn_layer(ops, "bf", 960, 576, torch.bfloat16),  # another dtype: another cache
         torch.nn.Linear(4, 4)])  # not a oneDNN layer
     model[4].cpu_linear = torch.nn.functional.linear
-    assert [k for _, k, _ in onednn_linears(model)] == [576, 576, 576]
     prims = MatmulPrimitives(model, capacity=4)
+    assert [k for _, k, _ in prims.linears] == [576, 576, 576]
     bias = torch.zeros(960)
     for lend_back in range(2):
         ops.threads = 1  # drafting: the target's steps make primitives for one thread
@@ -187,7 +188,7 @@ def test_where_a_shapes_layers_differ_in_a_bias_the_caches_hold_half_the_row_cou
     model = torch.nn.ModuleList([qkv, onednn_layer(ops, "o", 576, 576),
                                  onednn_layer(ops, "q2", 960, 576)])
     prims = MatmulPrimitives(model, capacity=16)
-    assert bias_variants(onednn_keys(model)) == 2 and prims.rows_held == 8
+    assert prims.rows_held == 8
 
 
 def test_one_row_inputs_would_not_evict_them():
@@ -209,7 +210,7 @@ def test_the_eviction_matches_vllms_primitive_cache_size():
 
     source = inspect.getsource(utils.dispatch_cpu_unquantized_gemm)
     assert f"create_onednn_mm(origin_weight.t(), {ONEDNN_CACHE})" in source
-    assert "ops.onednn_mm(handler, x, bias)" in source  # what onednn_linears looks for
+    assert "ops.onednn_mm(handler, x, bias)" in source  # what onednn_keys looks for
 
 
 def lending(worker, runner_ids=("a",)):
@@ -266,7 +267,7 @@ def test_copies_on_a_lent_step_are_priced_on_what_a_lent_step_costs(clock, lent_
 
     w = FakeDraftWorker()
     p, _ = lending(w)
-    p.lookup = Sources(ModelSource(), [ContextLookup(min_n=2, max_n=4)])
+    p.sources = Sources(ModelSource(), [ContextLookup(min_n=2, max_n=4)])
     p.verdict.choose = lambda b, sampled, key=None: LOOKUP  # the draft model off: lent
     for e in range(0, 5):
         p.step_time.observe(1, e, 0.060 + 0.0001 * e)  # drafting steps: nearly free

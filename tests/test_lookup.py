@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from duo_vllm.control.serving import choose, paying_length
+from duo_vllm.control.serving import paying_length, serve
+from tests.support.fakes import hint_of
 from duo_vllm.control.verdict import LOOKUP, MODEL
 from duo_vllm.sources.base import Proposal, Sources, score
 from duo_vllm.sources.lookup import (LOOKUP_PRIOR, MATCH_CLASSES, ContextLookup, MatchAcceptance,
@@ -64,6 +65,11 @@ def test_a_draft_is_judged_as_far_as_the_target_produced():
     assert score([5, 8], [7]) == (0, 1)
 
 
+def choose(model, lookup, alpha_model, alpha_lookup, threshold):
+    """A model draft and one lookup draft, folded as the proposer serves them."""
+    return serve(model, False, hint_of(lookup, alpha_model, alpha_lookup, threshold))
+
+
 def test_agreeing_sources_serve_the_longer_and_disagreeing_the_more_likely():
     def combine(model, lookup, a_model, a_lookup):  # no tail cut (threshold 0)
         return choose(model, lookup, a_model, a_lookup, 0.0)
@@ -92,8 +98,8 @@ def test_each_source_is_scored_served_or_not_and_finished_requests_are_forgotten
     src.observe(["a"], [ctx(1)])
     src.remember("a", 5, 0.0, proposals([1, 2, 3, 5], [1, 4]), LOOKUP, [1, 2, 3])
     src.observe(["a"], [ctx(0, 0, 0, 0, 0, 1, 2, 9)])  # target: 1 2 accepted, then 9
-    assert src.stats.served[LOOKUP] == 3 and src.stats.accepted[LOOKUP] == 2
-    assert src.stats.served[MODEL] == 0
+    assert src.served[LOOKUP] == 3 and src.accepted[LOOKUP] == 2
+    assert src.served[MODEL] == 0
     a_l, a_m = lk.alpha("a", "greedy"), src.model.alpha("a", "greedy")
     # match length 0: class 1 (prior 0.3) held tokens 1-2, both accepted; the
     # 3rd (class 2) was rejected; the 4th never judged

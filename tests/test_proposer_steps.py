@@ -178,7 +178,7 @@ def test_lookup_drafts_are_served_when_the_draft_model_is_off_and_scored_per_sou
     w = FakeDraftWorker()
     p = bare(w, k=2)
     p.k_lookup = 4
-    p.lookup = Sources(ModelSource(), [ContextLookup(min_n=2, max_n=4)])
+    p.sources = Sources(ModelSource(), [ContextLookup(min_n=2, max_n=4)])
     p._gated = False
     p._mode, p._on = LOOKUP, False  # the verdict keeps the draft model off
     for e in range(0, 5):  # verifying a token is nearly free: all four pay
@@ -199,24 +199,23 @@ def test_lookup_drafts_are_served_when_the_draft_model_is_off_and_scored_per_sou
 
 
 def test_lookup_and_model_drafts_are_combined_by_agreement(clock):
-    from duo_vllm.control.serving import choose
+    from duo_vllm.control.serving import serve
     from duo_vllm.sources.lookup import ContextLookup
 
     w = FakeDraftWorker(drafts=[[7, 8]])  # the model agrees with the lookup's start
     p = bare(w, k=2)
     p.k_lookup = 4
-    p.lookup = Sources(ModelSource(), [ContextLookup(min_n=2, max_n=4)])
+    p.sources = Sources(ModelSource(), [ContextLookup(min_n=2, max_n=4)])
     p._gated = False
     for e in range(0, 5):
         p.step_time.observe(1, e, 0.050 + 0.0001 * e)
     sampled, n, ids = inputs([[5, 6, 7, 8, 9, 10, 5, 6]])
     assert p.propose(sampled, n, ids) == [[7, 8, 9, 10]]  # the longer of two that agree
-    # the drafter is told the lookup and choose()'s inputs: it pre-drafts from the same end
+    # the drafter is told the lookup and serve()'s inputs: it pre-drafts from the same end
     (hint,) = w.calls[-1]["hints"]
     (lookup,) = hint.proposals
     assert lookup.tokens == [7, 8, 9, 10]
-    assert choose([7, 8], lookup.tokens, hint.alpha_model, lookup.alpha,
-                  hint.threshold)[0] == [7, 8, 9, 10]
+    assert serve([7, 8], False, hint)[0] == [7, 8, 9, 10]
     w.drafts = [[3, 4]]  # the model disagrees: the source more likely accepted wins
     # the target said 11: both drafts rejected at once; the lookup's prior was lower
     sampled, n, ids = inputs([[5, 6, 7, 8, 9, 10, 5, 6, 11, 5, 6]])
@@ -228,7 +227,7 @@ def test_lookup_tokens_that_do_not_pay_are_not_served(clock):
 
     w = FakeDraftWorker()
     p = bare(w, k=2)
-    p.lookup = Sources(ModelSource(), [ContextLookup(min_n=2, max_n=4)])
+    p.sources = Sources(ModelSource(), [ContextLookup(min_n=2, max_n=4)])
     p._gated, p._on = False, False
     for e in range(0, 5):  # verifying a token costs a tenth of a plain step
         p.step_time.observe(1, e, 0.050 + 0.005 * e)
@@ -249,7 +248,7 @@ def test_a_weak_match_that_does_not_pay_leaves_a_long_one_served(clock):
     w = FakeDraftWorker()
     p = bare(w, k=2)
     p.k_lookup = 4
-    p.lookup = Sources(ModelSource(), [ContextLookup(min_n=2, max_n=8)])
+    p.sources = Sources(ModelSource(), [ContextLookup(min_n=2, max_n=8)])
     p._gated, p._on = False, False
     for e in range(0, 5):  # verifying a token costs a tenth of a plain step
         p.step_time.observe(1, e, 0.050 + 0.005 * e)
@@ -338,7 +337,7 @@ def test_the_verdict_s_modes_serve_lookups_or_nothing_and_each_sample_names_its_
     w = FakeDraftWorker()
     p = bare(w, k=2)
     p.k_lookup = 4
-    p.lookup = Sources(ModelSource(), [ContextLookup(min_n=2, max_n=4)])
+    p.sources = Sources(ModelSource(), [ContextLookup(min_n=2, max_n=4)])
     p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
         temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])))
     for e in range(0, 5):  # verifying a token is nearly free: a lookup token pays
@@ -352,14 +351,14 @@ def test_the_verdict_s_modes_serve_lookups_or_nothing_and_each_sample_names_its_
     clock.now += 0.1
     ctx = ctx + [7, 8, 11]  # two accepted and the target's own
     sampled, n, ids = inputs([ctx])
-    p.lookup.observe = lambda *a: pytest.fail("plain decoding reads no context")
+    p.sources.observe = lambda *a: pytest.fail("plain decoding reads no context")
     assert p.propose(sampled, n, ids) == [[]]  # plain decoding: not even a lookup
-    del p.lookup.observe
+    del p.sources.observe
     clock.now += 0.1
     sampled, n, ids = inputs([ctx + [4]])
     p.propose(sampled, n, ids)
     # the copy served before the plain step is scored once lookups run again
-    assert p.lookup.summary()["lookup_tokens_accepted"] == 2
+    assert p.sources.summary()["lookup_tokens_accepted"] == 2
     assert w.calls == []  # never the draft model
     assert seen == [(LOOKUP, 3), (PLAIN, 1)]  # each step's sample, in the mode it ran
     assert asked == ["a"] * 3  # batch 1: the verdict is told the request
@@ -373,11 +372,11 @@ def test_above_max_batch_a_step_does_no_draft_work_at_all(clock):
     p.config = DuoConfig(use_actor=False, max_batch=1)
     p._init_step_state()
     p._prefetch = True
-    p.lookup = Sources(ModelSource(), [ContextLookup(min_n=2, max_n=4)])
+    p.sources = Sources(ModelSource(), [ContextLookup(min_n=2, max_n=4)])
     p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
         temperature_cpu=np.zeros(2, dtype=np.float32), req_ids=["a", "b"])))
     p.verdict.choose = lambda *a, **k: pytest.fail("the verdict is asked above the cap")
-    p.lookup.observe = lambda *a: pytest.fail("lookups are scored above the cap")
+    p.sources.observe = lambda *a: pytest.fail("lookups are scored above the cap")
     ctx = [5, 6, 7, 8, 9, 10, 5, 6]
     for _ in range(3):
         sampled, n, ids = inputs([ctx, ctx])
@@ -389,7 +388,7 @@ def test_above_max_batch_a_step_does_no_draft_work_at_all(clock):
     p.on_new_requests([SimpleNamespace(prompt_token_ids=[1, 2, 3])], batch=3)
     assert w.calls == [] and w.prefetched == [] and w.pauses == 1  # one pause, at the cap
     assert p.stats()["capped_steps"] == 4 and p._errors == 0
-    del p.verdict.choose, p.lookup.observe  # back under the cap: drafting resumes
+    del p.verdict.choose, p.sources.observe  # back under the cap: drafting resumes
     p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
         temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])))
     sampled, n, ids = inputs([ctx])

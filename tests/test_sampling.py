@@ -14,11 +14,11 @@ from scipy.stats import chisquare
 
 from duo_vllm.runtime.delta import Drafts
 from duo_vllm.draft.drafter import DraftPolicy, DuoDrafter
-from duo_vllm.control.serving import Hint, serve
+from duo_vllm.control.serving import serve
 from duo_vllm.control.verdict import MODEL
-from duo_vllm.draft.sampling import dense_q, draft_q, q_entries, sample_q
+from duo_vllm.draft.sampling import dense_q, draft_q, sample_q
 from duo_vllm.runtime.message import StepRequest
-from tests.support.fakes import FakeBackend
+from tests.support.fakes import FakeBackend, hint_of
 
 P_MIN = 1e-3
 
@@ -53,7 +53,7 @@ def test_drafts_without_q_are_one_hot_and_no_q_at_all_is_none():
     assert list(dense[0, 0]) == [0, 0.25, 0, 0.75, 0]
     assert list(dense[1, 0]) == [0, 0, 1, 0, 0] and list(dense[1, 1]) == [0, 0, 0, 0, 1]
     assert not dense[2].any() and not dense[0, 1].any()
-    assert q_entries([[3], [2]], [None, None]) is None  # vLLM's own reading: no array
+    assert dense_q([[3], [2]], [None, None], vocab=5) is None  # vLLM's own reading: no array
 
 
 # -- vLLM's rejection sampler, on the CPU kernels ------------------------------------
@@ -192,7 +192,7 @@ def test_the_worker_returns_q_with_the_drafts():
 
 
 def test_a_drawn_draft_is_served_as_drawn_whatever_the_lookup_says():
-    hint = Hint.of([7, 8, 9, 10], alpha_model=0.5, alpha_lookup=0.9, threshold=0.1)
+    hint = hint_of([7, 8, 9, 10], alpha_model=0.5, alpha_lookup=0.9, threshold=0.1)
     assert serve([7, 3], True, hint) == ([7, 3], MODEL)  # not cut where it parts
     assert serve([7, 8], True, hint) == ([7, 8], MODEL)  # not extended where it agrees
     assert serve([7, 8], False, hint)[0] == [7, 8, 9, 10]  # an argmax draft: combined

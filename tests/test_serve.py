@@ -155,7 +155,7 @@ def _settled(server: Server, timeout: float = 60) -> bool:
 
 def test_concurrent_load_with_aborts_matches_plain(servers):
     """32 concurrent requests: streamed or not, stop strings, n=2, some closed mid-stream."""
-    from duo_vllm.prompts import load_specbench
+    from tests.support.specbench import load_specbench
 
     plain, duo = servers
     prompts = [p for _, p in load_specbench(per_task=2)]

@@ -1,15 +1,8 @@
-"""The drafter's own rules: when to prefill, probe, wait, reuse; pure functions.
-
-:mod:`duo_vllm.control.goodput` plans how many tokens each request gets;
-the rules here decide the rest of what the drafter does around those plans
-(:mod:`duo_vllm.draft`): which context is prefilled in the background, how
-large a prefill chunk is, when a quiet request is probed, when the
-background work stops, when an evicted sequence is restored. Each takes
-measured numbers and returns a decision; the drafter executes it.
-"""
+"""The drafter's own rules around the plans of :mod:`duo_vllm.control.goodput`: when to
+prefill, probe, wait and reuse. Each takes measured numbers and returns a decision that
+the drafter (:mod:`duo_vllm.draft`) executes."""
 
 from __future__ import annotations
-
 
 from duo_vllm.control.goodput import PROBE_EVERY, TargetCost, expected_accepted
 from duo_vllm.control.serving import Hint, alpha_of, serve
@@ -39,9 +32,8 @@ def assumed_cost(step_s: float | None, per_token_s: float | None) -> TargetCost:
 
 def prefill_in_background(new_tokens: int, rows: int, step_s: float, prefill_s: float,
                           k: int) -> bool:
-    """A miss with more context tokens to evaluate than its share of one target step
-    holds (and more than k + 1) goes without a draft this step and is prefilled in the
-    background: a long prompt never stalls the target."""
+    """A miss with more context to evaluate than its share of a target step holds (and more
+    than k + 1) is prefilled in the background, undrafted this step: no stalled target."""
     fits = int(step_s / prefill_s / max(rows, 1))
     return new_tokens > max(k + 1, fits)
 
@@ -53,9 +45,8 @@ def needs_prefill(behind: int) -> bool:
 
 
 def prefill_chunk(others_decoding: bool, step_s: float, prefill_s: float) -> int:
-    """Prompt tokens per background decode call: PREFILL_CHUNK, or, while other requests'
-    pre-drafts wait behind it, what fits in CHUNK_STEP_SHARE of a target step (at least
-    MIN_PREFILL_CHUNK)."""
+    """Prompt tokens per background decode call: PREFILL_CHUNK, or while other requests'
+    pre-drafts wait, what fits in CHUNK_STEP_SHARE of a step (at least MIN_PREFILL_CHUNK)."""
     if not others_decoding:
         return PREFILL_CHUNK
     fits = int(CHUNK_STEP_SHARE * step_s / prefill_s)
@@ -63,10 +54,8 @@ def prefill_chunk(others_decoding: bool, step_s: float, prefill_s: float) -> int
 
 
 def sync_catch_up(tokens: int, predrafts: bool) -> int:
-    """The catch-up a draft on the spot is charged for: all of it where a background
-    thread could have run it instead; without one, a single token (a new prompt can
-    only be evaluated on the spot: an investment in every later step, not this one's
-    cost)."""
+    """The catch-up a draft on the spot is charged for: all of it where a background thread
+    could have run it, else one token (a new prompt evaluated now pays off in later steps)."""
     return tokens if predrafts else 1
 
 
@@ -83,17 +72,15 @@ def prefills_prompts(floor_streak: int) -> bool:
 
 
 def floor_streak_after(streak: int, asked: bool, drafted: bool) -> int:
-    """Steps in a row that drafted nothing for requests asking for drafts: a step with any
-    draft ends the streak, one that asked (``asked``: it served a hit or a miss) and got
-    none adds to it, others leave it."""
+    """Steps in a row that drafted nothing: a step with a draft ends the streak, one that
+    ``asked`` (served a hit or a miss) and got none adds to it, others leave it."""
     if drafted:
         return 0
     return streak + 1 if asked else streak
 
 
 def prompt_depth(budget: int | None, k: int) -> int:
-    """Depth of the pre-draft queued with a prompt prefilled ahead of its first step: the
-    fixed budget, else 2 tokens (at most k)."""
+    """Depth of the pre-draft queued with a prompt prefilled ahead: the budget, else min(2, k)."""
     return budget if budget is not None else min(2, k)
 
 
@@ -106,9 +93,8 @@ def probe_due(quiet_steps: int) -> bool:
 
 
 def probe_affordable(catch_up: int, prefill_s: float, step_s: float) -> bool:
-    """A pre-draft probe is not worth a prefill longer than PROBE_CATCH_UP_STEPS target
-    steps (a prompt never evaluated): draft work, and memory traffic that slows the
-    target, for one probed token."""
+    """A pre-draft probe is worth no prefill longer than PROBE_CATCH_UP_STEPS target steps:
+    draft work and memory traffic that slows the target, for one probed token."""
     return catch_up * prefill_s <= PROBE_CATCH_UP_STEPS * step_s
 
 
@@ -117,8 +103,6 @@ def probe_affordable(catch_up: int, prefill_s: float, step_s: float) -> bool:
 def lookup_fallback(hint: Hint | None) -> tuple[float, int]:
     """(expected accepted tokens, length) of what a row is served from its free
     sources alone, as the proposer's :func:`~duo_vllm.control.serving.serve` cuts it."""
-    if hint is None:
-        return 0.0, 0
     draft, source = serve([], False, hint)
     if not draft:
         return 0.0, 0
@@ -141,10 +125,9 @@ def call_overruns(now: float, call_s: float, deadline: float | None) -> bool:
 
 
 def step_patience(token_s: float, busy_left_s: float, step_s: float) -> float:
-    """How long a step waits for the decode call under way: 1.5 draft tokens' time. A
-    longer call (a prefill chunk) is waited for only if it ends within half a target
-    step, then for its forecast end plus a quarter (a loaded node overruns forecasts);
-    else the step goes without a draft."""
+    """How long a step waits for the decode call under way: 1.5 draft tokens' time; for a
+    longer call (a prefill chunk) ending within half a target step, its forecast end plus
+    a quarter (a loaded node overruns forecasts); else none: the step goes undrafted."""
     patience = 1.5 * token_s
     if busy_left_s > patience:
         patience = 1.25 * busy_left_s + 0.002 if busy_left_s < 0.5 * step_s else 0.0
@@ -160,9 +143,7 @@ def saves_work(view_len: int, match: int, fresh: int) -> bool:
 
 
 def restore_pays(match: int, reuse: int, view_len: int, fresh: int) -> bool:
-    """Restore a prompt-cache entry holding ``match`` tokens of a context into a slot that
-    holds ``reuse`` of it already? Where it spares at least MIN_RESTORE tokens of
-    prefill (a restore copies MBs: worth it for far fewer tokens than a chunk, not for
-    the chat template alone), and leaves less to evaluate than a window taken afresh
-    (``fresh`` tokens; the entry's view of the context is ``view_len`` long)."""
+    """Restore a prompt-cache entry holding ``match`` tokens of a context into a slot holding
+    ``reuse`` of it? Where it spares MIN_RESTORE prefill tokens (it copies MBs) and
+    :func:`saves_work` over a fresh window (``fresh`` tokens; the entry's view: ``view_len``)."""
     return match - reuse >= MIN_RESTORE and saves_work(view_len, match, fresh)

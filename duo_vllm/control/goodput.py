@@ -6,20 +6,12 @@ One vLLM step over a batch of B requests, where request i gets a draft of n_i to
     seconds(n) = T(B, Σ_i n_i) + W(n)         T(B, e) = T₀(B) + c · e
     goodput    = tokens(n) / seconds(n)       floor   = B / T₀(B)  (plain decoding)
 
-α_i is request i's measured acceptance (per token, per regime: greedy or
-sampled), T₀(B) the target's measured step time at batch B, c its measured
-cost per extra verified token, and W the time vLLM waits for drafts drafted
-on the spot. Drafts pre-drafted while the target verified cost no wait.
-
-Adding the j-th draft token of request i gains α_iʲ tokens for c seconds, so
-it raises goodput iff α_iʲ > c · goodput. Gains fall along a draft and cost
-is the same for every token, so the greedy choice of the best next token,
-stopped at the first that does not pay, is optimal (:func:`plan_served`).
+α_i: request i's measured acceptance per token (greedy or sampled); T₀(B): the target's
+measured plain step; c: its cost per extra verified token; W: the wait for drafts drafted
+on the spot (pre-drafted ones cost none). The j-th draft token of request i gains α_iʲ
+tokens for c seconds, so it pays iff α_iʲ > c · goodput; gains fall along a draft, so
+taking the best next token until one does not pay is optimal (:func:`plan_served`).
 When nothing pays, every n_i is 0: plain decoding, and no draft work.
-
-Everything here is a pure function of measured numbers, or a small model
-that turns measurements into those numbers (:class:`StepTimeModel`,
-:class:`DraftTimeModel`, :class:`Acceptance`).
 """
 
 from __future__ import annotations
@@ -35,8 +27,7 @@ PROBE_EVERY = 16  # steps a request may go without a draft before it is probed a
 
 
 def batch_bucket(batch: int) -> int:
-    """Batch sizes 1, 2-3, 4-7, ... as 0, 1, 2, ...: the buckets of the step-time
-    slope and of the gate."""
+    """Batch sizes 1, 2-3, 4-7, ... as 0, 1, 2, ... (the step-time slope's and gate's)."""
     return max(1, batch).bit_length() - 1
 
 
@@ -45,10 +36,8 @@ def regime(temperature: float) -> str:
 
 
 def token_alphas(alpha: float | Sequence[float], n: int, start: int = 0) -> list[float]:
-    """The acceptance of tokens ``start`` to ``start + n - 1`` of a draft, each given
-    the ones before it accepted: ``alpha`` for every token of an i.i.d. draft, or the
-    draft's own sequence of them (a lookup copy's, which rise as its match grows), its
-    last value carried on."""
+    """The acceptance of draft tokens ``start`` to ``start + n - 1``: ``alpha`` for each, or
+    read from a per-token sequence (a lookup copy's), its last value carried on."""
     if isinstance(alpha, Real):
         return [float(alpha)] * max(n, 0)
     last = len(alpha) - 1
@@ -74,8 +63,7 @@ def expected_accepted(alpha: float | Sequence[float], n: int) -> float:
 
 @dataclass(frozen=True)
 class TargetCost:
-    """T(B, e) = t0 + per_token · e for the current batch: the step that verifies e extra
-    tokens."""
+    """T(B, e) = t0 + per_token · e: the current batch's step verifying e extra tokens."""
 
     t0: float  # T₀(B): a plain step at this batch size, seconds
     per_token: float  # c: seconds per extra verified token
@@ -84,18 +72,14 @@ class TargetCost:
         return self.t0 + self.per_token * extra
 
     def threshold(self, batch: int) -> float:
-        """c · B / T₀(B): the acceptance a draft token needs to raise plain decoding's
-        goodput B / T₀(B) (:func:`pays`)."""
+        """c · B / T₀(B): the acceptance a draft token needs to beat plain decoding."""
         return self.per_token * batch / self.t0
 
 
 def plan_served(alphas: Sequence[float], available: Sequence[int], cost: TargetCost,
                 base_tokens: float | None = None) -> list[int]:
-    """Tokens to serve per request from drafts that cost no wait (pre-drafted).
-
-    Greedy on marginal gain: the next token of the request whose next token is
-    most likely accepted, while α_iʲ > c · goodput. ``available[i]`` caps n_i.
-    """
+    """Tokens to serve per request from pre-drafted drafts (no wait), capped by
+    ``available``: greedy on the likeliest next token while α_iʲ > c · goodput."""
     n = [0] * len(alphas)
     tokens = float(len(alphas) if base_tokens is None else base_tokens)
     extra = 0
@@ -120,30 +104,21 @@ def pays(gain: float, rate: float, cost: TargetCost) -> bool:
 class SyncPlan:
     rows: tuple[int, ...]  # indices into the candidates, drafted on the spot
     depth: int  # tokens drafted for each of them (capped per request)
-    wait_s: float  # predicted wait for those drafts
 
 
 def plan_sync(alphas: Sequence[float], caps: Sequence[int], catch_up: Sequence[int],
               cost: TargetCost, draft_time: Callable[[int], float],
               base_tokens: float, base_extra: int,
               fallback: Sequence[tuple[float, int]] | None = None) -> SyncPlan:
-    """Draft now, while vLLM waits, for requests without a pre-draft?
-
-    The candidates (with their ``catch_up`` tokens to evaluate first) are
-    taken most-gaining first: the m best drafted to depth d cost
-    D(Σ catch-up) + (d - 1) · D(m) of waiting. The (m, d) with the best
-    goodput wins; (0, 0) when none beats ``base`` (the rest of the step).
-
-    ``fallback[i]`` = (expected accepted tokens, tokens verified) of what
-    candidate i is served without drafting: a lookup draft, free. It is in
-    ``base``; a candidate drafted now serves the model's draft instead, so it
-    gains E(α_i, d) - fallback, not E(α_i, d): a request whose context
-    already offers a good copy is not worth a wait.
-    """
+    """Draft now, while vLLM waits, for requests without a pre-draft? The m most-gaining
+    candidates drafted to depth d wait D(Σ ``catch_up``) + (d - 1) · D(m); the (m, d) of best
+    goodput wins, (0, 0) where none beats ``base`` (the rest of the step). ``fallback[i]``:
+    (expected accepted, verified) of candidate i's free lookup draft, counted in ``base``;
+    drafting replaces it, so it gains E(α_i, d) - fallback."""
     fb = list(fallback) if fallback is not None else [(0.0, 0)] * len(alphas)
     order = sorted(range(len(alphas)),
                    key=lambda i: -(expected_accepted(alphas[i], caps[i]) - fb[i][0]))
-    best = SyncPlan((), 0, 0.0)
+    best = SyncPlan((), 0)
     best_rate = base_tokens / cost.step(base_extra)
     k = max(caps, default=0)
     for m in range(1, len(order) + 1):
@@ -157,7 +132,7 @@ def plan_sync(alphas: Sequence[float], caps: Sequence[int], catch_up: Sequence[i
             extra = base_extra + sum(x - fb[i][1] for i, x in zip(rows, n))
             rate = tokens / (cost.step(extra) + wait)
             if rate > best_rate * (1 + 1e-9):
-                best, best_rate = SyncPlan(tuple(rows), d, wait), rate
+                best, best_rate = SyncPlan(tuple(rows), d), rate
     return best
 
 
@@ -166,12 +141,9 @@ CATCH_UP_SHARE = 0.5  # the most of a request's remaining life its draft's catch
 
 def catch_up_pays(tokens: int, prefill_s: float, remaining: int | None,
                   step_s: float) -> bool:
-    """Start a background catch-up of ``tokens`` context tokens (``prefill_s`` each on
-    the draft) for a request with ``remaining`` tokens left to generate (``None``:
-    unknown), at ``step_s`` per target step? The draft serves the request nothing
-    until it has caught up, while the request decodes one token a step at least: the
-    catch-up must end well within what is left of it (a request the draft never saw,
-    at the tail of a batch that drained from one where drafting was off)."""
+    """Catch the draft up on ``tokens`` context tokens (``prefill_s`` each) of a request with
+    ``remaining`` tokens left (``None``: unknown), at ``step_s`` a target step? Only where
+    it ends well within the request's remaining life: until then the draft serves it nothing."""
     if remaining is None:
         return True
     return tokens * prefill_s <= CATCH_UP_SHARE * max(remaining, 0) * step_s
@@ -192,21 +164,13 @@ def predraft_time(depths: Sequence[int], catch_up: Sequence[int],
 
 def predraft_root(n: int, agree: int, alpha: float, alpha_lookup: float | Sequence[float],
                   greedy: bool = True) -> tuple[int, float]:
-    """Where the next step's pre-draft starts, for a request served ``n`` tokens of
-    which the draft model drafted the first ``agree`` and a lookup copied the rest
-    (accepted at ``alpha_lookup`` a token, or per token as :func:`token_alphas`
-    reads it; the model at ``alpha``): (tokens of the served draft the root holds,
-    the chance the target's tokens reach it).
-
-    Rooted after the whole draft, its branches are reached when the target
-    accepts all of it; rooted where the copy parts from the model, the model's
-    own next token there is taken when the target turns the copied one down:
-
-        p_end  = α^agree · Π α_l,t (t = agree .. n-1)
-        p_part = α^agree · min(α, 1 - α_l,agree) / α
-
-    The likelier of the two; after the whole draft where nothing was copied, or
-    for a sampled request (not ``greedy``: its drafts are drawn, not copied).
+    """Where the next pre-draft starts, for a request served ``n`` tokens, the first
+    ``agree`` the model's (acceptance ``alpha``), the rest a lookup's (``alpha_lookup``):
+    (tokens of the served draft the root holds, the chance the target's tokens reach it).
+    After the whole draft (p_end = α^agree · Π α_l,t, t = agree .. n-1), or where the copy
+    parts from the model, whose own next token is taken when the target rejects the
+    copied one (p_part = α^agree · min(α, 1 - α_l,agree) / α): the likelier; always after
+    the whole draft where nothing was copied or for a sampled request (drawn, not copied).
     """
     tail = token_alphas(alpha_lookup, n - agree, agree)
     end = (n, alpha ** agree * math.prod(tail))
@@ -220,13 +184,10 @@ def predraft_root(n: int, agree: int, alpha: float, alpha_lookup: float | Sequen
 def plan_predraft(alphas: Sequence[float], hit_probs: Sequence[float], caps: Sequence[int],
                   catch_up: Sequence[int], budget_s: float,
                   draft_time: Callable[[int], float], min_gain: float) -> list[int]:
-    """Depth of each request's pre-draft, to be ready when the target's step ends.
-
-    The j-th pre-drafted token of request i is worth p_i · α_iʲ (``p_i``: the
-    chance the pre-draft is used at all). Greedy by worth per second of draft
-    time, within ``budget_s`` (the target's expected step); a token worth less
-    than ``min_gain`` would not be served (:func:`pays`), so it is not drafted.
-    """
+    """Depth of each request's pre-draft, ready when the target's step ends: greedy by
+    worth per second of draft time within ``budget_s``, the j-th token of request i worth
+    p_i · α_iʲ (p_i: ``hit_probs``, the chance the pre-draft is used), none under
+    ``min_gain`` (it would not be served)."""
     m = [0] * len(alphas)
     spent = 0.0
     while True:
@@ -254,15 +215,10 @@ def plan_predraft(alphas: Sequence[float], hit_probs: Sequence[float], caps: Seq
 # --- measured costs ---------------------------------------------------------------------------
 
 class StepTimeModel:
-    """T(B, e) = T₀(B) + c(B) · e, fitted to observed steps (least squares with forgetting).
-
-    One fit per batch size B gives T₀(B). The slope c(B) is pooled over the
-    batch sizes of B's bucket (1, 2-3, 4-7, ...; within-B variation only),
-    since few steps at one B vary e much, and a verified token costs more in
-    a wide batch than in a narrow one (on a CPU target a step of 16 requests
-    is compute-bound, a step of one is not). A bucket that has not seen e
-    vary borrows the slope pooled over every batch size.
-    """
+    """T(B, e) = T₀(B) + c(B) · e, fitted to observed steps (least squares with forgetting):
+    T₀ per batch size B, the slope c(B) pooled over B's bucket (:func:`batch_bucket`), as few
+    steps at one B vary e much and a verified token costs more in a wide batch; a bucket
+    that has not seen e vary borrows the overall slope."""
 
     def __init__(self, decay: float = 0.97, prior_per_token: float = 0.1):
         self.decay = decay
@@ -271,13 +227,8 @@ class StepTimeModel:
 
     def observe(self, batch: int, extra: int, seconds: float) -> None:
         s = self._sums.setdefault(batch, [0.0] * 5)
-        for j in range(5):
-            s[j] *= self.decay
-        s[0] += 1
-        s[1] += extra
-        s[2] += seconds
-        s[3] += extra * extra
-        s[4] += extra * seconds
+        for j, x in enumerate((1, extra, seconds, extra * extra, extra * seconds)):
+            s[j] = s[j] * self.decay + x
 
     def per_token(self, batch: int | None = None) -> float | None:
         """Slope c pooled over ``batch``'s bucket (over every batch size when ``None``,
@@ -292,12 +243,9 @@ class StepTimeModel:
     def cost(self, batch: int) -> TargetCost | None:
         """T(B, ·) for ``batch``; ``None`` before any step was seen.
 
-        A verified token costs no more than a whole step: c ≤ T₀ = my - c·mx,
-        i.e. c ≤ my / (1 + mx). A slope past that (a few disturbed deep-draft
-        steps, or one borrowed from wider batches) is no measurement, and it
-        would put T₀ near 0, where no draft pays and so no step with drafts
-        comes to correct it: the prior slope stands in, as before any was known.
-        """
+        A verified token costs no more than a step (c ≤ my / (1 + mx)); a slope past that is
+        no measurement and would put T₀ near 0, where no draft pays to correct it: the prior
+        slope stands in."""
         if not self._sums:
             return None
         c = self.per_token(batch)
@@ -351,16 +299,10 @@ def _pooled_slope(sums) -> float | None:
 
 
 class DraftTimeModel:
-    """D(w): draft time of one decode call of w tokens, measured per width (EMA).
-
-    Widths not seen yet are interpolated between the nearest seen ones,
-    scaled per token beyond the widest, and below the narrowest taken on the
-    line through the two narrowest (:meth:`_below`); ``prior`` before any.
-    D is kept non-decreasing in w: a call of w tokens bounds every narrower
-    width's estimate. Otherwise a width whose last calls were slow (the
-    draft's cold first calls) keeps that estimate for as long as no call of
-    that width runs, and one planned from it may never run again.
-    """
+    """D(w): draft time of one decode call of w tokens, measured per width (EMA); unseen
+    widths interpolated, scaled per token beyond the widest, below the narrowest
+    :meth:`_below`; ``prior`` before any. D is kept non-decreasing in w, so a slow width
+    (cold first calls) that is never run again cannot keep its estimate."""
 
     def __init__(self, prior_s: float = 0.015, weight: float = 0.2):
         self.prior_s, self.weight = prior_s, weight
@@ -385,25 +327,21 @@ class DraftTimeModel:
             return 0.0
         if not self._by_width:
             return self.prior_s * width
-        ws = sorted(self._by_width)
-        if width in self._by_width:
-            return self._by_width[width]
+        t, ws = self._by_width, sorted(self._by_width)
+        if width in t:
+            return t[width]
         lo = max((w for w in ws if w < width), default=None)
         hi = min((w for w in ws if w > width), default=None)
-        if lo is not None and hi is not None:
-            f = (width - lo) / (hi - lo)
-            return self._by_width[lo] + f * (self._by_width[hi] - self._by_width[lo])
-        near = lo if lo is not None else hi
-        if near > width:  # below every measured width
+        if lo is None:  # below every measured width
             return self._below(width, ws)
-        return self._by_width[near] * width / near
+        if hi is None:  # beyond the widest: per token
+            return t[lo] * width / lo
+        return t[lo] + (width - lo) / (hi - lo) * (t[hi] - t[lo])
 
     def _below(self, width: int, ws: list[int]) -> float:
-        """D(w) under the narrowest measured width: along the line through the two
-        narrowest, D = a + b·w (a call's fixed cost a, b per token), and never below
-        per token of the narrowest (with only prefill chunks measured, an estimate
-        too high would plan no pre-draft, so no narrow call would ever correct it).
-        With one width measured: half of it, at least per token."""
+        """D(w) under the narrowest measured width: on the line through the two narrowest
+        (half the narrowest, with one), never below its per-token time (an estimate too
+        high would plan no narrow call to correct it)."""
         w0 = ws[0]
         d0 = self._by_width[w0]
         per_token = d0 * width / w0
@@ -418,13 +356,9 @@ class DraftTimeModel:
 
 
 class Acceptance:
-    """Per-token acceptance α, per request and per regime (greedy or sampled).
-
-    A draft of n tokens of which a were accepted is a + [a < n] Bernoulli
-    trials with a successes (each draft token is tried until the first
-    rejection). Counts decay so α follows a request's drift. A request's α
-    starts from its regime's α (``prior_weight`` trials of it).
-    """
+    """Per-token acceptance α, per request and per regime (greedy or sampled): a draft of n
+    tokens with a accepted is a + [a < n] trials, a successes; counts decay so α follows
+    drift. A request's α starts from its regime's (``prior_weight`` trials of it)."""
 
     def __init__(self, decay: float = 0.9, prior_weight: float = 4.0,
                  prior: dict[str, float] | None = None):
@@ -437,12 +371,10 @@ class Acceptance:
         if proposed <= 0:
             return
         trials = accepted + (1 if accepted < proposed else 0)
-        g = self._regime[reg]
-        g[0] = 0.98 * g[0] + accepted
-        g[1] = 0.98 * g[1] + trials
-        r = self._requests.setdefault(key, [0.0, 0.0])
-        r[0] = self.decay * r[0] + accepted
-        r[1] = self.decay * r[1] + trials
+        request = self._requests.setdefault(key, [0.0, 0.0])
+        for counts, decay in ((self._regime[reg], 0.98), (request, self.decay)):
+            counts[0] = decay * counts[0] + accepted
+            counts[1] = decay * counts[1] + trials
 
     def regime_alpha(self, reg: str) -> float:
         s, t = self._regime[reg]

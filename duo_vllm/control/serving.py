@@ -1,15 +1,7 @@
-"""What a row is served among its sources' proposals, each token only while its
-chance of acceptance pays for its verification.
-
-Per request and step :func:`serve` folds the proposals
-(:class:`~duo_vllm.sources.base.Proposal`), the draft model's first, by
-:func:`pick`: where two agree, the longer; where they part, the one more likely
-accepted there. A free source's tail is cut by :func:`paying_length` to the tokens
-whose acceptance beats c · goodput (:func:`duo_vllm.control.goodput.pays`); the
-model's draft is never cut (the controller planned its length). The proposer
-serves :func:`serve`; the drafter computes the same (from a :class:`Hint`) and
-pre-drafts from its end.
-"""
+"""What a row is served among its sources' proposals (:func:`serve`), each token only while
+its chance of acceptance pays for its verification: a free source's tail is cut to the
+tokens whose acceptance beats c · goodput; the model's draft, planned by the controller,
+never. The drafter computes the same from a :class:`Hint` and pre-drafts from its end."""
 
 from __future__ import annotations
 
@@ -19,24 +11,17 @@ from dataclasses import dataclass, replace
 from numbers import Real
 
 from duo_vllm.control.goodput import token_alphas
-from duo_vllm.control.verdict import LOOKUP, MODEL
+from duo_vllm.control.verdict import MODEL
 from duo_vllm.sources.base import Proposal, common_prefix
 
 
 @dataclass(frozen=True)
 class Hint:
-    """A row's free proposals and what :func:`serve` weighs them by, for the drafter
-    (which makes the model draft, computes what the proposer serves, and pre-drafts
-    from its end)."""
+    """A row's free proposals and what :func:`serve` weighs them by, for the drafter."""
 
     proposals: tuple  # the free sources' Proposals, in registration order
     alpha_model: float
     threshold: float
-
-    @classmethod
-    def of(cls, tokens, alpha_model: float, alpha_lookup, threshold: float) -> Hint:
-        """A hint of one lookup draft."""
-        return cls((Proposal(LOOKUP, list(tokens), alpha_lookup),), alpha_model, threshold)
 
 
 def alpha_of(hint: Hint, source: str):
@@ -46,14 +31,9 @@ def alpha_of(hint: Hint, source: str):
 
 def paying_length(lead: float, alpha: float | Sequence[float], n: int, threshold: float,
                   start: int = 0) -> int:
-    """Tokens of an ``n``-token tail of a free source worth verifying.
-
-    Its t-th token is accepted with probability ``lead`` · α₁ ··· αₜ (``lead``:
-    the chance the draft tokens before the tail are all accepted; the α of the
-    draft's tokens ``start`` on, :func:`~duo_vllm.control.goodput.token_alphas`) and
-    pays while that beats ``threshold`` = c · goodput
-    (:func:`duo_vllm.control.goodput.pays`).
-    """
+    """Tokens of an ``n``-token tail of a free source worth verifying: its t-th token is
+    accepted with probability ``lead`` · α₁ ··· αₜ (``lead``: that of the tokens before
+    the tail; α from token ``start`` on) and pays while that beats ``threshold``."""
     t, p = 0, lead
     for a in token_alphas(alpha, n, start):
         if p * a <= threshold:
@@ -92,23 +72,11 @@ def pick(a: Proposal, b: Proposal, threshold: float) -> Proposal:
     return replace(b, tokens=b.tokens[:n]) if n else a
 
 
-def choose(model: list[int], lookup: list[int], alpha_model: float,
-           alpha_lookup: float | Sequence[float], threshold: float) -> tuple[list[int], str]:
-    """:func:`pick` between a model draft and a lookup draft: (tokens, source)."""
-    p = pick(Proposal(MODEL, model, alpha_model), Proposal(LOOKUP, lookup, alpha_lookup),
-             threshold)
-    return p.tokens, p.source
-
-
 def serve(model: list[int], drawn: bool, hint: Hint | None) -> tuple[list[int], str]:
-    """What a row is served: its model draft and its free proposals folded by
-    :func:`pick`, in order; (tokens, source).
-
-    A model draft ``drawn`` from the draft's q (a sampled request,
-    :mod:`duo_vllm.draft.sampling`) is served as it is whenever it has tokens: the
-    rejection sampler reads its q, which holds only for the draw itself, not
-    for a draw picked or cut by how it agrees with another source.
-    """
+    """What a row is served: its model draft and its free proposals folded by :func:`pick`,
+    in order; (tokens, source). A non-empty model draft ``drawn`` from the draft's q (a
+    sampled request) is served as it is: the rejection sampler's q holds only for the draw
+    itself, not for one picked or cut by how it agrees with another source."""
     if hint is None or (drawn and model):
         return model, MODEL
     best = Proposal(MODEL, model, hint.alpha_model, drawn)

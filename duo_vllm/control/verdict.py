@@ -1,33 +1,21 @@
 """Measured, not modelled: which mode makes a batch size fastest?
 
-The plans of :mod:`duo_vllm.control.goodput` rest on a model (T, D, α); the
-verdict checks their outcome in realised tokens per second and runs the
-fastest of three modes:
-
-* ``MODEL``: the draft model drafts (lookup drafts beside it);
-* ``LOOKUP``: the free sources only (copies from the context), the draft model idle;
-* ``PLAIN``: no drafts, plain decoding.
-
-Per batch-size bucket (1, 2-3, 4-7, ...; steps where some request samples
-apart from all-greedy ones) each mode's rate is its tokens over its seconds
-across its recent steps (sums that decay by ``1 - weight`` a step), a step's
-tokens counted per request at the bucket's smallest batch size. The rules,
-each a named number of :class:`Verdict`:
+The verdict checks the outcome of the goodput plans (:mod:`duo_vllm.control.goodput`) in
+realised tokens per second and runs the fastest of three modes: ``MODEL`` (the draft model
+drafts, lookups beside it), ``LOOKUP`` (the free sources only) and ``PLAIN`` (no drafts).
+Per batch-size bucket (1, 2-3, 4-7, ...; sampled steps apart) a mode's rate is its tokens
+over its seconds (sums decaying by ``1 - weight`` a step), a step's tokens counted per
+request at the bucket's smallest batch size. The rules (named numbers of :class:`Verdict`):
 
 1. A mode runs ``trial_steps`` steps before it is judged; the model's first
-   ``warmup_steps`` steps after it turns on are not measured (the draft catches
-   up).
-2. Every ``retry_every`` steps of a bucket, the rival tried least recently is
-   tried again (measured afresh); then the faster runs. A rival must beat the
-   mode that ran before by ``margin``: a tie keeps it.
-3. A new bucket starts in the winner of the nearest smaller bucket measured in
-   every mode, if it lies within ``reach`` buckets; where none does, in the
-   model at batch sizes up to ``2 ** reach`` and in lookups above. It tries the
-   other modes at once, the model only where it started in it.
-4. At batch 1 a verdict against the model holds for its request only
-   (requests differ far more than modes do on one request): the next request
-   starts on a trial of the model, then of the mode before it, and the two are
-   judged on that request.
+   ``warmup_steps`` after it turns on are not measured (the draft catches up).
+2. Every ``retry_every`` steps of a bucket, the rival tried least recently is tried again
+   (measured afresh); it must beat the mode that ran before by ``margin``.
+3. A new bucket starts in the winner of the nearest smaller bucket measured in every mode,
+   within ``reach`` buckets; else in the model up to batch ``2 ** reach``, lookups above.
+   It tries the other modes at once, the model only where it started in it.
+4. At batch 1 a verdict against the model holds for its request only (requests differ more
+   than modes do): the next request starts on a trial of the model, then of the mode before.
 """
 
 from __future__ import annotations
@@ -50,11 +38,6 @@ def wins(rival: float | None, incumbent: float | None, margin: float) -> bool:
 def capped(batch: int | None, max_batch: int | None) -> bool:
     """The user's cap (``max_batch``): above it a step is plain decoding, no verdict."""
     return max_batch is not None and (batch or 0) > max_batch
-
-
-def tokens_per_s(tokens: float, seconds: float) -> float | None:
-    """A measured rate; None before any time was measured."""
-    return tokens / seconds if seconds > 0 else None
 
 
 class Verdict:
@@ -83,8 +66,8 @@ class Verdict:
         return batch_bucket(batch), bool(sampled)
 
     def rate(self, b, mode: str) -> float | None:
-        sums = self._sums.get((b, mode))
-        return None if sums is None else tokens_per_s(*sums)
+        tokens, seconds = self._sums.get((b, mode), (0.0, 0.0))
+        return tokens / seconds if seconds > 0 else None  # None: not measured
 
     def choose(self, batch: int, sampled: bool = False, key=None) -> str:
         """The mode of a step of ``batch`` requests (``key``: its request, at batch 1),
@@ -137,7 +120,7 @@ class Verdict:
         return True
 
     def rates(self) -> dict[str, float]:
-        return {f"{1 << s}{'s' if sampled else ''}+{mode}": tokens_per_s(*sums)
+        return {f"{1 << s}{'s' if sampled else ''}+{mode}": sums[0] / sums[1]
                 for ((s, sampled), mode), sums in sorted(self._sums.items()) if sums[1] > 0}
 
     def _first(self, b) -> str:
@@ -156,8 +139,8 @@ class Verdict:
         self._mode[b], self._run[b] = self._first(b), 0
         self._tried_at[(b, self._mode[b])] = self._clock[b]
         self._retry_at[b] = self.retry_every
-        # rule 3: what is not measured here yet, at once; the model only where it is
-        # likely to pay (a burst of new requests drafted on one core loses to plain)
+        # rule 3: the modes not measured here yet, at once; the model only where it started
+        # (a burst of new requests drafted on one core loses to plain)
         others = [m for m in self.modes if m != self._mode[b] and (b, m) not in self._sums
                   and (m != MODEL or self._mode[b] == MODEL)]
         if others:
@@ -171,8 +154,7 @@ class Verdict:
         self._note(b, mode, how)
 
     def _next_trial(self, b, key) -> None:
-        """The mode on trial has run its steps: the next mode of the round, or the
-        round's verdict."""
+        """The mode on trial has run its steps: the round's next mode, or its verdict."""
         before, todo = self._round[b]
         if todo:
             self._switch(b, todo.pop(0), "trial")

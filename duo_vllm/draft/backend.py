@@ -1,8 +1,7 @@
 """llama.cpp backend: a GGUF draft model whose KV cache holds many token sequences.
 
-The KV cache is *unified*: cells are shared between sequences, so a branch
-forked from a request's sequence (``copy``) shares its prefix at no cost, as
-in llama.cpp's parallel-decoding example.
+The KV cache is *unified*: a branch forked from a request's sequence (``copy``)
+shares its prefix's cells at no cost, as in llama.cpp's parallel-decoding example.
 """
 
 from __future__ import annotations
@@ -30,10 +29,7 @@ def _install_log_filter(llama_cpp) -> None:
         if level in (3, 4):
             message = text.decode("utf-8", "replace").rstrip()
             if "n_ctx_seq" in message and "n_ctx_train" in message:
-                # With the unified KV cache every sequence may address all cells, so
-                # llama.cpp compares the whole cache with the training context. Each
-                # request is kept to n_ctx, itself at most n_ctx_train (the ``size``
-                # DraftWorker passes: config.derive_draft_limits).
+                # the unified cache vs n_ctx_train: each request is kept to n_ctx_train
                 return
             logger.warning("llama.cpp: %s", message)
 
@@ -47,11 +43,8 @@ QUANT_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q
 
 
 def gguf_file_type(model_path: str) -> str | None:
-    """The GGUF's ``general.file_type`` as a llama_ftype name (``"LLAMA_FTYPE_MOSTLY_Q4_1"``).
-
-    Reads the header only (llama.cpp's vocab-only load); ``None`` if the file
-    does not say.
-    """
+    """The GGUF's ``general.file_type`` as a llama_ftype name (``"LLAMA_FTYPE_MOSTLY_Q4_1"``),
+    read by a vocab-only load; ``None`` if the file does not say."""
     import llama_cpp
 
     _install_log_filter(llama_cpp)
@@ -89,12 +82,8 @@ def requantize(src: str, dst: str, quant: str, n_threads: int = 1) -> None:
 
 
 class LlamaCppBackend:
-    """A llama.cpp model and context for up to ``n_seq`` sequences, ``n_ctx`` cells in all.
-
-    ``size``: instead of ``n_ctx`` and ``n_seq``, a function of the model's
-    training context that returns them, called once the model is loaded and
-    before the KV cache is allocated (the draft's limits depend on it).
-    """
+    """A llama.cpp model and context for up to ``n_seq`` sequences, ``n_ctx`` cells in all
+    (or ``size(n_ctx_train)`` of them, called once the model is loaded)."""
 
     def __init__(self, model_path: str, n_ctx: int | None, n_seq: int | None, n_threads: int,
                  n_batch: int = 512, n_gpu_layers: int = 0, size=None):
@@ -109,15 +98,12 @@ class LlamaCppBackend:
         llama_cpp.llama_backend_init()
 
         mparams = llama_cpp.llama_model_default_params()
-        # a GPU build of llama.cpp offloads every layer by default: the draft stays on the
-        # CPU unless asked (-1: all layers)
+        # a GPU build offloads every layer by default: the draft stays on the CPU unless asked
         mparams.n_gpu_layers = 2 ** 31 - 1 if n_gpu_layers < 0 else n_gpu_layers
         self._model = llama_cpp.llama_model_load_from_file(model_path.encode(), mparams)
         if not self._model:
-            raise ValueError(
-                f"llama.cpp could not load {model_path!r}: not a valid GGUF model "
-                "(corrupt or truncated file?)"
-            )
+            raise ValueError(f"llama.cpp could not load {model_path!r}: not a valid GGUF model "
+                             "(corrupt or truncated file?)")
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
         self.n_ctx_train = int(llama_cpp.llama_model_n_ctx_train(self._model))
@@ -172,8 +158,7 @@ class LlamaCppBackend:
         return buf
 
     def restore(self, seq_id: int, state: bytearray) -> bool:
-        """Load what :meth:`save` returned into the (empty) sequence ``seq_id``; False
-        where llama.cpp could not (no room for its cells)."""
+        """Load what :meth:`save` returned into the empty ``seq_id``; False if no room."""
         if not state:
             return False
         if not isinstance(state, bytearray):
@@ -182,14 +167,9 @@ class LlamaCppBackend:
         return int(self._lib.llama_state_seq_set_data(self._ctx, buf, len(state), seq_id)) > 0
 
     def decode(self, items: list[tuple[int, np.ndarray, int]]) -> list[np.ndarray]:
-        """Evaluate several sequences' new tokens in as few llama_decode calls as fit.
-
-        ``items`` are ``(seq_id, tokens, pos)``: append ``tokens`` to sequence
-        ``seq_id`` at positions ``pos, pos+1, ...``. Returns, per item, the
-        logits after its last token. Logits from the final decode call are
-        views of llama.cpp's buffer (valid until the next call); only items
-        finished in an earlier chunk of a long prefill are copied.
-        """
+        """Append each item's ``tokens`` to sequence ``seq_id`` from position ``pos``;
+        return per item the logits after its last token (those of the final call are
+        views of llama.cpp's buffer, valid until the next call)."""
         lib, batch, cap = self._lib, self._batch, self.n_batch
         flat = [(it, j) for it, (_, toks, _) in enumerate(items) for j in range(len(toks))]
         if not flat:

@@ -1,15 +1,8 @@
 """DuoDecoding's branch and budget maths, as pure functions.
 
-* :func:`top_candidates` / :func:`branch_candidates`: the dynamic
-  multi-sequence rule. With p1 the draft's distribution at the position the
-  target will sample next and p2 its distribution one step further along the
-  top-1 choice, let θ = p1[top1] · p2[top2]. Every other top candidate of p1
-  whose probability exceeds θ starts its own branch.
-* :func:`split_budget`: share a token budget among branches.
-* how many tokens to draft at all is the goodput controller's
-  (:mod:`duo_vllm.control.goodput`).
-* :func:`select_branch`: given the context the target produced, which
-  pre-drafted branch (if any) continues it.
+:func:`branch_candidates` is the dynamic multi-sequence rule: with p1 the draft's
+distribution where the target samples next and p2 one step further along its
+top-1, every other top candidate of p1 above θ = p1[top1] · p2[top2] starts a branch.
 """
 
 from __future__ import annotations
@@ -24,33 +17,22 @@ TOP_K = 8
 
 
 def top_candidates(logits: np.ndarray, k: int = TOP_K) -> tuple[np.ndarray, np.ndarray]:
-    """Top-``k`` token ids and their softmax probabilities, most likely first.
-
-    Only ``k`` values leave this function: the full distribution is never copied.
-    """
+    """Top-``k`` token ids and their softmax probabilities, most likely first."""
     logits = np.asarray(logits)
     k = min(k, logits.shape[-1])
     idx = np.argpartition(logits, -k)[-k:]
     top = logits[idx].astype(np.float64)
     m = float(logits.max())
-    denom = _sum_exp(logits, m)
+    # float32 exp over the vocabulary, summed in float64: no float64 copy of logits
+    denom = float(np.exp(logits - np.float32(m)).sum(dtype=np.float64))
     probs = np.exp(top - m) / denom
     order = np.argsort(-probs, kind="stable")
     return idx[order].astype(np.int64), probs[order]
 
 
-def _sum_exp(logits: np.ndarray, m: float) -> float:
-    # float32 exp over the vocabulary, summed in float64: no float64 copy of logits
-    return float(np.exp(logits - np.float32(m)).sum(dtype=np.float64))
-
-
 def branch_candidates(top_ids: np.ndarray, top_probs: np.ndarray, p2_top: float,
                       max_branches: int) -> list[int]:
-    """First tokens of the branches to draft: top-1 always, others above θ.
-
-    ``top_probs`` are sorted descending; ``p2_top`` is the top probability one
-    position later, along the top-1 choice. θ = top_probs[0] · p2_top.
-    """
+    """First tokens of the branches to draft: top-1 always, others above θ."""
     if len(top_ids) == 0:
         return []
     theta = float(top_probs[0]) * float(p2_top)
@@ -64,15 +46,8 @@ def branch_candidates(top_ids: np.ndarray, top_probs: np.ndarray, p2_top: float,
 
 
 def split_budget(total: int, weights: list[float], cap: int, alpha: float = 0.8) -> list[int]:
-    """Share ``total`` draft evaluations among branches, by expected accepted tokens.
-
-    Branch j is taken with probability ``weights[j]``; its i-th token is then
-    accepted with probability about ``alpha ** i``. Each evaluation goes to
-    the branch where it adds the most expected accepted tokens,
-    ``weights[j] * alpha ** alloc[j]`` (ties: the earlier branch), and no
-    branch gets more than ``cap``. A confident draft thus puts everything in
-    its top-1 chain; an unsure one spreads over the branches the θ rule opened.
-    """
+    """Share ``total`` draft evaluations among branches, at most ``cap`` each, each where
+    it adds the most expected accepted tokens (ties: the earlier branch)."""
     n = len(weights)
     alloc = [0] * n
     for _ in range(max(0, min(total, cap * n))):
@@ -85,15 +60,11 @@ def split_budget(total: int, weights: list[float], cap: int, alpha: float = 0.8)
 
 @dataclass
 class Branch:
-    """A pre-drafted continuation of its tree's prefix: ``tokens[0]`` is the candidate
-    for the target's next token."""
+    """A pre-drafted continuation of its tree's prefix (``tokens[0]``: the target's next)."""
 
     tokens: list[int]
-    prob: float
     seq_id: int
-    # each draft token's q (duo_vllm/draft/sampling.py), aligned with tokens[1:]; None where
-    # it was the argmax (greedy)
-    q: list = field(default_factory=list)
+    q: list = field(default_factory=list)  # each of tokens[1:]'s q (None: the argmax)
 
     def drawn(self, n: int, start: int = 0) -> list | None:
         """The q of ``n`` draft tokens from ``tokens[1 + start]`` on, if each was drawn."""
@@ -109,30 +80,19 @@ class Tree:
     branches: list[Branch] = field(default_factory=list)
 
 
-def accepted_whole(tree: Tree, context: np.ndarray) -> bool:
-    """Is ``context`` ``tree.prefix`` plus exactly one token (the target accepted the
-    whole draft the tree continues and sampled one more)?"""
-    return len(context) == len(tree.prefix) + 1 and np.array_equal(context[:-1], tree.prefix)
-
-
 def miss_reason(tree: Tree | None, context: np.ndarray) -> str:
     """Why :func:`select_branch` finds no branch for ``context``: ``"no_tree"`` (nothing
     was pre-drafted), ``"rejected"`` (the target did not accept the whole draft the
     tree continues) or ``"bonus"`` (it did, but its next token starts no branch)."""
     if tree is None:
         return "no_tree"
-    return "bonus" if accepted_whole(tree, context) else "rejected"
+    whole = len(context) == len(tree.prefix) + 1 and np.array_equal(context[:-1], tree.prefix)
+    return "bonus" if whole else "rejected"
 
 
 def select_branch(tree: Tree | None, context: np.ndarray) -> Branch | None:
-    """The branch that continues ``context``, if the pre-draft foresaw it.
-
-    It does when ``context`` is the tree's prefix followed by the start of the
-    branch: its first token (the target accepted the whole draft the tree
-    continues and sampled one more, :func:`accepted_whole`), or several of its
-    tokens with one left to serve (a tree rooted inside the draft served: the
-    served tokens the target accepted and its own next one follow the branch).
-    """
+    """The branch that continues ``context``: the tree's prefix, then the branch's first
+    token, or several of its tokens with one left to serve."""
     if tree is None:
         return None
     root = len(tree.prefix)

@@ -1,20 +1,11 @@
 """The drafter: chains on demand, branch trees ahead of time, state matched by prefix.
 
-``propose`` answers one vLLM step. For each request it either serves a branch
-pre-drafted during the previous step (a *hit*: no draft compute on the
-critical path) or drafts a chain from the real context while vLLM waits
-(a *miss*); how many tokens each request gets, zero included, is the goodput
-controller's choice (:mod:`duo_vllm.control.goodput`), and the rest of what
-the drafter does is decided by :mod:`duo_vllm.control.drafting`. It then
-queues the next step's *pre-draft* (:mod:`duo_vllm.draft.predraft`), which
-runs while vLLM verifies. The state it all works on, and the backend's
-calls, are :mod:`duo_vllm.draft.sequences`'.
-
-Each branch grows along the draft's top-1 token, or, for a sampled request
-(``sampled_drafts``), along tokens drawn from the draft's own distribution q,
-returned with the draft so the rejection sampler can use it
-(:mod:`duo_vllm.draft.sampling`). vLLM's rejection sampler verifies everything, so
-drafts change speed, never output.
+``propose`` answers one vLLM step: per request it serves a branch pre-drafted
+during the previous step (a *hit*) or drafts a chain from the context while
+vLLM waits (a *miss*), as many tokens as the goodput controller plans
+(:mod:`duo_vllm.control`). It then queues the next step's pre-draft
+(:mod:`duo_vllm.draft.predraft`), run while vLLM verifies. vLLM verifies
+everything, so drafts change speed, never output.
 """
 
 from __future__ import annotations
@@ -25,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from duo_vllm.control.drafting import (
-    PRIOR_STEP_S, floor_streak_after, lookup_fallback, needs_prefill,
+    PRIOR_STEP_S, assumed_cost, floor_streak_after, lookup_fallback, needs_prefill,
     prefill_in_background, probe_due, sync_catch_up,
 )
 from duo_vllm.control.goodput import (
@@ -68,30 +59,13 @@ class _Row:
 
 
 class DuoDrafter(Predrafter):
-    """Drafts for batches of contexts on a multi-sequence backend
-    (:mod:`duo_vllm.draft.backend`).
+    """Drafts for batches of contexts: executes :mod:`duo_vllm.control`'s plans, and owns
+    the draft state (slots, trees, the llama.cpp calls)."""
 
-    It executes the plans of :mod:`duo_vllm.control` and owns the draft state
-    (slots, trees, the llama.cpp calls); the decisions are the controller's.
-    """
-
-    # -- one vLLM step ---------------------------------------------------------
     def propose(self, step: StepRequest, serve: bool = True) -> list[list[int]]:
-        """Drafts for one step; queues the pre-draft of the next when ``parallel``.
-
-        ``step.step_s`` and ``step.per_token_s`` are the target's T₀(B) and c
-        for this batch (measured by the proposer); ``step.temperatures`` each
-        request's sampling temperature (0: greedy). With ``serve=False``
-        nothing is drafted now (vLLM has already gone on without a draft):
-        only the pre-draft for these contexts is queued. ``step.hints`` are the
-        proposer's lookup drafts (:class:`duo_vllm.control.serving.Hint`): the drafter
-        returns its own drafts, and pre-drafts from the end of what the
-        proposer will serve, :func:`duo_vllm.control.serving.serve` of its own draft
-        and the hint (the same pure function, the same inputs), so a served
-        lookup continuation finds its next step's branches ready.
-        ``step.remaining``: the tokens each request may still generate (its
-        ``max_tokens`` left), where the proposer knows them.
-        """
+        """Drafts for one step (fields: :class:`StepRequest`); queues the next pre-draft,
+        from the end of what the proposer will serve (this draft or the row's lookup hint).
+        With ``serve=False`` (vLLM went on without a draft) only the pre-draft is queued."""
         t0 = time.perf_counter()
         st = self.stats
         st.steps += 1
@@ -101,8 +75,7 @@ class DuoDrafter(Predrafter):
             self.target_step_s = step.step_s
         if step.per_token_s is not None:
             self.per_token_s = step.per_token_s
-        cost = self._cost()
-        hints = step.hints
+        cost = assumed_cost(self.target_step_s, self.per_token_s)
         contexts = [np.asarray(c, dtype=np.int32) for c in step.contexts]
         temps = [0.0] * len(contexts) if step.temperatures is None else \
             [float(x) for x in step.temperatures]
@@ -111,7 +84,7 @@ class DuoDrafter(Predrafter):
         rows = self._rows(contexts, step.budgets, temps, serve, step.remaining)
         hits = [r for r in rows if r.branch is not None]
         misses = [r for r in rows if r.branch is None and not r.background]
-        served, (chosen, depth) = self._plan_step(len(contexts), hits, misses, cost, hints)
+        served, (chosen, depth) = self._plan_step(len(contexts), hits, misses, cost, step.hints)
         for r, n in zip(hits, served):
             out[r.row], qs[r.row] = self._take_branch(r.slot, r.tree, r.branch, n, r.follow)
             st.deep_hits += r.follow > 1
@@ -121,8 +94,7 @@ class DuoDrafter(Predrafter):
             st.branch_hits[r.tree.branches.index(r.branch)] += 1
         if chosen and depth > 0:  # each chosen miss drafts ``depth`` tokens from its context
             t_sync = time.perf_counter()
-            chains = [(r.row, r.slot, min(depth, r.k), r.temperature) for r in chosen]
-            self._draft_chains(chains, {r.row: r.ctx for r in chosen}, out, qs)
+            self._draft_chains(chosen, depth, out, qs)
             st.sync_s += time.perf_counter() - t_sync
             st.sync_calls += 1
         self.live = {r.slot.seq_id for r in rows}
@@ -137,16 +109,14 @@ class DuoDrafter(Predrafter):
         drafted = any(out[r.row] for r in rows)
         st.floor_steps += asked and not drafted
         self.floor_streak = floor_streak_after(self.floor_streak, asked, drafted)
-        served, p_served = self._served(rows, out, hints, self.last_q)
+        served, p_served = self._served(rows, out, step.hints, self.last_q)
         self.expected_step_s = cost.step(sum(len(d) for d in served))
         self._plan_jobs(rows, served, p_served, cost, len(contexts))
         st.busy_s += time.perf_counter() - t0
         return out
 
     def _served(self, rows: list[_Row], out, hints, qs):
-        """What the proposer will serve per row, and where the next step most likely
-        starts: per row, the tokens of the served draft the pre-draft's root holds
-        and the chance the target's tokens reach that root
+        """What the proposer will serve per row, and per row the pre-draft's root in it
         (:func:`~duo_vllm.control.goodput.predraft_root`)."""
         served = list(out)
         p_all = {r.row: (len(out[r.row]), r.alpha ** len(out[r.row])) for r in rows}
@@ -184,9 +154,7 @@ class DuoDrafter(Predrafter):
                 continue
             st.requests += 1
             slot = a.slot
-            # the request came: its slot is named by what it is seen at, and is kept for it
-            # while it runs; a prompt name queued by prefetch would hold the slot for
-            # QUEUED_TTL assign() calls past the request's end
+            # the request came: named by its context, not by a prompt that would outlive it
             slot.seen, slot.queued = ctx, None
             reg = regime(temp)
             self._observe_acceptance(slot, ctx, a.reuse, reg)
@@ -213,8 +181,7 @@ class DuoDrafter(Predrafter):
                              tree, branch, catch_up, background, left[row]))
         return rows
 
-    def _plan_step(self, batch: int, hits: list[_Row], misses: list[_Row], cost: TargetCost,
-                   hints=None):
+    def _plan_step(self, batch: int, hits: list[_Row], misses: list[_Row], cost: TargetCost, hints):
         """Tokens served per hit; the misses drafted now, and the depth drafted for each."""
         policy = self.policy
         if policy.budget is not None:  # fixed: every hit in full, every miss to the budget
@@ -237,7 +204,6 @@ class DuoDrafter(Predrafter):
                          sum(served) + sum(n for _, n in fallback), fallback)
         if not plan.rows and not policy.predrafts:
             # no pre-draft probes without a background thread: probe the quietest miss here
-            # (one token), so measured costs and acceptance replace the priors
             quiet = max(misses, key=lambda r: self.quiet.get(r.slot.seq_id, 0))
             if probe_due(self.quiet.get(quiet.slot.seq_id, 0)):
                 self.stats.probes += 1
@@ -246,10 +212,9 @@ class DuoDrafter(Predrafter):
                                         if n and i not in plan.rows)
         return served, ([misses[i] for i in plan.rows], plan.depth)
 
-    def _take_branch(self, slot, tree: Tree, branch: Branch, n: int, follow: int = 1):
-        """Adopt a pre-drafted branch as the request's sequence; return ``n`` draft
-        tokens after the ``follow`` the context holds and their q (None unless each
-        was drawn)."""
+    def _take_branch(self, slot, tree: Tree, branch: Branch, n: int, follow: int):
+        """Adopt a pre-drafted branch as the request's sequence; return its ``n`` draft
+        tokens after the ``follow`` the context holds, and their q (None unless drawn)."""
         pos_b = len(tree.prefix)
         if branch.seq_id != slot.seq_id:
             self.backend.remove(slot.seq_id, pos_b, -1)
@@ -260,42 +225,39 @@ class DuoDrafter(Predrafter):
         draft = list(branch.tokens[follow:follow + n])
         return draft, branch.drawn(len(draft), follow - 1)
 
-    def _draft_chains(self, misses, contexts: dict, out, qs: dict) -> None:
-        """Chains from the real contexts (by row, as the slots hold them), all requests
-        decoded together: (row, slot, length, temperature) each; the drawn tokens' q
-        go to ``qs``."""
-        live, items = [], []
-        for row, slot, n, temp in misses:
-            ctx = contexts[row]
-            keep = self._sync_slot(slot, ctx)
-            items.append((slot.seq_id, ctx[keep:], keep))
-            self.stats.prefill_tokens += len(ctx) - keep
-            slot.tokens = ctx
-            live.append([row, slot, n, temp])
-            qs[row] = []
+    def _draft_chains(self, rows: list[_Row], depth: int, out, qs: dict) -> None:
+        """Chains of up to ``depth`` tokens from the rows' contexts, all decoded together;
+        the drawn tokens' q go to ``qs``."""
+        items = []
+        for r in rows:
+            keep = self._sync_slot(r.slot, r.ctx)
+            items.append((r.slot.seq_id, r.ctx[keep:], keep))
+            self.stats.prefill_tokens += len(r.ctx) - keep
+            r.slot.tokens = r.ctx
+            qs[r.row] = []
+        live = rows
         try:
             logits, _ = self._decode(items)
             while live:
-                nxt_items, still = [], []
-                for (row, slot, n, temp), lg in zip(live, logits):
-                    tok, q = self._next_token(lg, temp)
-                    out[row].append(tok)
-                    qs[row] = None if qs[row] is None or q is None else qs[row] + [q]
-                    if len(out[row]) < n:
-                        tok = out[row][-1]
-                        nxt_items.append((slot.seq_id, np.array([tok], dtype=np.int32),
-                                          len(slot.tokens)))
-                        slot.tokens = np.append(slot.tokens, np.int32(tok))
-                        still.append([row, slot, n, temp])
-                if not nxt_items:
+                items, still = [], []
+                for r, lg in zip(live, logits):
+                    tok, q = self._next_token(lg, r.temperature)
+                    out[r.row].append(tok)
+                    qs[r.row] = None if qs[r.row] is None or q is None else qs[r.row] + [q]
+                    if len(out[r.row]) < min(depth, r.k):
+                        items.append((r.slot.seq_id, np.array([tok], dtype=np.int32),
+                                      len(r.slot.tokens)))
+                        r.slot.tokens = np.append(r.slot.tokens, np.int32(tok))
+                        still.append(r)
+                if not items:
                     break
-                logits, n_tok = self._decode(nxt_items)
-                self.stats.sync_tokens += n_tok
+                logits, n = self._decode(items)
+                self.stats.sync_tokens += n
                 live = still
         except Exception:
-            self._recover([slot for _, slot, _, _ in misses])
-            for row, _, _, _ in misses:
-                out[row], qs[row] = [], None
+            self._recover([r.slot for r in rows])
+            for r in rows:
+                out[r.row], qs[r.row] = [], None
 
 
 def _hint(hints: list[Hint | None] | None, row: int) -> Hint | None:

@@ -1,15 +1,9 @@
 """The pre-draft: the next step's branch trees, grown while vLLM verifies this one.
 
-After a step, :meth:`Predrafter._plan_jobs` queues a job per request the
-controller plans a pre-draft for (:func:`~duo_vllm.control.goodput.plan_predraft`):
-from the root the next step most likely starts at (the context and what this
-step serves), one branch per likely candidate for the token the target
-samples there (DuoDecoding's dynamic multi-sequence drafting).
-:meth:`Predrafter.predraft` runs the jobs on the background thread and stops
-between decode calls when the next step arrives or its deadline nears.
-Prompts vLLM is about to prefill (:meth:`Predrafter.prefetch`) are
-prefilled the same way, in shared chunks, so a request already decoding
-never waits behind another's prompt.
+Per request the controller plans it for, from the root the next step most likely
+starts at: one branch per likely candidate for the target's next token
+(DuoDecoding's dynamic multi-sequence drafting). Runs on the background thread,
+with the prompts :meth:`Predrafter.prefetch` queued, till the next step or its deadline.
 """
 
 from __future__ import annotations
@@ -45,14 +39,8 @@ class Predrafter(DraftSequences):
     """Plans and runs the pre-draft of the next step, and prefills new prompts."""
 
     def prefetch(self, contexts: list[np.ndarray]) -> int:
-        """Prompts the target is about to prefill: queue their evaluation.
-
-        Called before vLLM's prefill step, so the draft evaluates the prompt
-        while the target does (DuoDecoding's parallel prefill) and has branches
-        for the first output token ready when that step's propose() comes.
-        A prompt never takes the slot of a running request. Returns how many
-        prompts were queued (none in serial mode).
-        """
+        """Queue the prompts the target is about to prefill, for the draft to prefill
+        alongside (DuoDecoding's parallel prefill); returns how many were queued."""
         if not self.policy.predrafts or not prefills_prompts(self.floor_streak):
             return 0
         if self.stats.started is None:  # busy time counts from here, as from a step
@@ -80,12 +68,8 @@ class Predrafter(DraftSequences):
 
     def _plan_jobs(self, rows: list[_Row], out, p_served: dict, cost: TargetCost,
                    batch: int) -> None:
-        """The next step's pre-draft: which requests, how deep (the controller's plan).
-
-        ``out`` is what each row is served this step; ``p_served`` per row the
-        tokens of it the pre-draft's root holds and the chance the target's
-        tokens reach that root (the branches continue it).
-        """
+        """Queue the next step's pre-draft (the controller's plan): ``out`` is each row's
+        served draft, ``p_served`` its root (:meth:`DuoDrafter._served`)."""
         self.jobs = []
         self.planned = set()  # slots with a pre-draft queued for the next step
         policy = self.policy
@@ -112,7 +96,6 @@ class Predrafter(DraftSequences):
                     depths[i] = 1
                     self.stats.probes += 1
                 # a request that ends before the draft could catch up: left to the target
-                # (and its cores, lent while the draft has nothing to run)
                 if depths[i] and r.background and not catch_up_pays(
                         r.catch_up, prefill_s, r.remaining, cost.t0):
                     depths[i] = 0
@@ -129,14 +112,8 @@ class Predrafter(DraftSequences):
         return predraft_deadline(returned_at, self.expected_step_s, self.policy.budget is not None)
 
     def predraft(self, interrupt=lambda: False, deadline: float | None = None) -> None:
-        """Run the queued pre-draft jobs.
-
-        Stops between decode calls on ``interrupt()`` (the next step is here).
-        Branches also stop growing before a decode call that would overrun
-        ``deadline`` (``time.perf_counter()`` clock; the call's time is D(w),
-        measured; :func:`~duo_vllm.control.drafting.call_overruns`), so the next
-        step does not wait for it; prompt prefills go on past it.
-        """
+        """Run the queued jobs, till ``interrupt()``; branches also stop before a decode
+        call that would overrun ``deadline`` (``perf_counter``), prompt prefills don't."""
         jobs, self.jobs = self.jobs, []
         if not jobs:
             return
@@ -153,15 +130,8 @@ class Predrafter(DraftSequences):
         self.stats.busy_s += time.perf_counter() - t0
 
     def _predraft(self, jobs: list[_Job], interrupt, stop) -> None:
-        """Grow branch trees for the jobs that are caught up; prefill the others.
-
-        A job further behind than ``CATCH_UP`` tokens holds a new prompt
-        (:func:`~duo_vllm.control.drafting.needs_prefill`). Those are prefilled
-        in shared chunks, the shortest first, and each
-        joins the tree growing once it is caught up. So a request already
-        decoding never waits behind another's prompt, and no decode call
-        outlasts one chunk.
-        """
+        """Grow trees for the jobs caught up; prefill the others (new prompts) in shared
+        chunks, so no request waits behind another's prompt."""
         slots = {job.slot_id: self.pool.slots[job.slot_id] for job in jobs}
         for job in jobs:
             self._sync_slot(slots[job.slot_id], job.prefix)
@@ -170,26 +140,20 @@ class Predrafter(DraftSequences):
             ready = [job for job, n in zip(jobs, behind) if not needs_prefill(n)]
             jobs = [job for job, n in zip(jobs, behind) if needs_prefill(n)]
             if ready:
-                self._grow_trees(ready, [slots[job.slot_id] for job in ready], interrupt, stop)
+                self._grow_trees(ready, [slots[job.slot_id] for job in ready], stop)
             if not jobs:
                 return
             if interrupt():
                 self.stats.interrupted += 1  # the prefill goes on next time, from where it is
                 return
-            self._prefill_chunk(jobs, slots, self._chunk_tokens(jobs))
+            self._prefill_chunk(jobs, slots)
 
-    def _chunk_tokens(self, prefilling: list[_Job]) -> int:
-        """Prefill chunk size (:func:`~duo_vllm.control.drafting.prefill_chunk`)."""
-        others = self.live - {job.slot_id for job in prefilling}
-        return prefill_chunk(bool(others), self.expected_step_s or self.target_step_s
+    def _prefill_chunk(self, jobs: list[_Job], slots: dict) -> None:
+        """One decode call of a chunk of prompt tokens, shortest prompt first; each
+        prompt's last token is left for the tree growing (the first branch point)."""
+        others = self.live - {job.slot_id for job in jobs}
+        room = prefill_chunk(bool(others), self.expected_step_s or self.target_step_s
                              or PRIOR_STEP_S, self._prefill_token_s())
-
-    def _prefill_chunk(self, jobs: list[_Job], slots: dict, room: int) -> None:
-        """One decode call of up to ``room`` prompt tokens, shortest prompt first.
-
-        Each prompt's last token is left for the tree growing (its logits are
-        the first branch point).
-        """
         items, owners = [], []
         for job in sorted(jobs, key=lambda j: len(j.prefix) - len(slots[j.slot_id].tokens)):
             slot = slots[job.slot_id]
@@ -205,21 +169,19 @@ class Predrafter(DraftSequences):
         for job, slot, end in owners:
             slot.tokens = job.prefix[:end]
 
-    def _grow_trees(self, jobs: list[_Job], slots: list, interrupt, stop) -> None:
+    def _grow_trees(self, jobs: list[_Job], slots: list, stop) -> None:
         st, policy = self.stats, self.policy
-        # 1. catch up: evaluate the tail of the returned draft (usually its last
-        #    token; at most CATCH_UP tokens a job, so one decode call)
+        # 1. catch up: evaluate the tail of the returned draft (one decode call)
         items = [(slot.seq_id, job.prefix[len(slot.tokens):], len(slot.tokens))
                  for job, slot in zip(jobs, slots)]
         logits, n = self._decode(items)
         st.predraft_tokens += n
         tops = [top_candidates(_tempered(lg, job.temperature)) for job, lg in zip(jobs, logits)]
-        for job, slot in zip(jobs, slots):
+        trees = []
+        for job, slot, (ids, _) in zip(jobs, slots, tops):
             slot.tokens = job.prefix
-        trees = [Tree(job.prefix, [Branch([int(ids[0])], float(p[0]), slot.seq_id)])
-                 for job, slot, (ids, p) in zip(jobs, slots, tops)]
-        for slot, tree in zip(slots, trees):
-            self.trees[slot.seq_id] = tree
+            trees.append(Tree(job.prefix, [Branch([int(ids[0])], slot.seq_id)]))
+            self.trees[slot.seq_id] = trees[-1]
         grow = [i for i, job in enumerate(jobs) if job.evals > 0]  # planned depth 0: caught up
         jobs, slots, trees, tops = ([x[i] for i in grow] for x in (jobs, slots, trees, tops))
         if not jobs:
@@ -237,24 +199,23 @@ class Predrafter(DraftSequences):
             main = tree.branches[0]
             slot.tokens = np.append(slot.tokens, np.int32(main.tokens[0]))
             if policy.multi_sequence and self.n_extra:
-                p2_ids, p2_probs = top_candidates(_tempered(lg, job.temperature), 1)
+                _, p2_probs = top_candidates(_tempered(lg, job.temperature), 1)
                 first = branch_candidates(ids, probs, float(p2_probs[0]), policy.max_branches)
             else:
                 first = [main.tokens[0]]
             self._extend(main, lg, job.temperature)
             weights = [float(probs[list(ids).index(t)]) for t in first]
-            alloc = split_budget(job.evals, weights, cap=policy.k,
-                                 alpha=self.acceptance.alpha(slot.seq_id,
-                                                             regime(job.temperature)))
+            alpha = self.acceptance.alpha(slot.seq_id, regime(job.temperature))
+            alloc = split_budget(job.evals, weights, cap=policy.k, alpha=alpha)
             alloc[0] = max(alloc[0], 1)  # the top-1 candidate is already evaluated once
             left = [alloc[0] - 1]
-            for j, (tok, w, a) in enumerate(zip(first[1:], weights[1:], alloc[1:]), start=1):
+            for j, (tok, a) in enumerate(zip(first[1:], alloc[1:]), start=1):
                 if a <= 0:
                     continue
                 seq = self._branch_seq(slot.seq_id, j)
                 self.backend.remove(seq, 0, -1)
                 self.backend.copy(slot.seq_id, seq, 0, len(tree.prefix))
-                tree.branches.append(Branch([tok], w, seq))
+                tree.branches.append(Branch([tok], seq))
                 left.append(a)
             st.branch_counts[len(tree.branches)] += 1
             evals_left.append(left)

@@ -1,22 +1,8 @@
-"""The draft's KV kept in host memory past its slot: a prompt seen before is not
-prefilled again.
+"""The draft's KV kept in host memory past its slot, as llama.cpp's server prompt cache.
 
-vLLM's prefix cache spares the *target* a repeated prompt (a retried request, a
-shared system prompt, the next turn of a chat, the same document asked about
-again), but the draft's slots are few (``max_sequences``) and taken by least
-recent use: a request whose slot went to others meanwhile had its prompt
-prefilled by the draft anew, beside the target's decode, before the draft
-could draft for it. llama.cpp's server keeps evicted prompts in host memory
-for the same reason (its prompt cache).
-
-Here a slot about to be taken for another request leaves its sequence's state
-(the backend's ``save``) as an :class:`Entry`, keyed by the tokens it held,
-in window coordinates (:mod:`duo_vllm.draft.slots`); a context given a fresh slot
-takes the entry it shares the longest prefix with (:meth:`PromptCache.best`),
-restored into that slot (``restore``), and evaluates only the rest. Entries
-are dropped least recently used first beyond ``max_bytes``. The restored
-cells are the draft's own, computed from the same tokens: drafts change
-speed, never output.
+A slot taken for another request saves its sequence's state as an :class:`Entry`;
+a context given a fresh slot restores the entry sharing its longest prefix and
+evaluates only the rest: a prompt seen before is not prefilled again.
 """
 
 from __future__ import annotations
@@ -38,11 +24,6 @@ class Entry:
     offset: int  # ... and the request's from ``offset`` on
     state: bytes | bytearray  # the backend's save() of its sequence
 
-    def match(self, ctx: np.ndarray) -> int:
-        """Tokens of ``ctx``, as this entry's window holds it, that the entry holds
-        (:func:`~duo_vllm.draft.slots.window_match`, as for a slot)."""
-        return window_match((self.tokens,), self.head, self.offset, ctx)
-
 
 class PromptCache:
     """Evicted draft sequences, least recently used dropped first beyond ``max_bytes``."""
@@ -60,8 +41,7 @@ class PromptCache:
 
     def put(self, tokens: np.ndarray, head: int, offset: int,
             state: bytes | bytearray) -> None:
-        """Keep a sequence's state; an entry it extends (same window, a prefix of its
-        tokens) goes, being of no more use."""
+        """Keep a sequence's state, dropping any entry it extends (same window)."""
         if len(state) > self.max_bytes or not len(tokens):
             return
         tokens = np.array(tokens, dtype=np.int32)
@@ -76,11 +56,10 @@ class PromptCache:
             self._drop(next(iter(self._entries)))
 
     def best(self, ctx: np.ndarray) -> tuple[Entry | None, int]:
-        """The entry holding the longest prefix of ``ctx`` (its view of it), and how
-        many tokens; it counts as used (dropped last)."""
+        """The entry holding the longest prefix of ``ctx``, and its length; marked used."""
         best, n, key = None, 0, None
         for k, e in self._entries.items():
-            m = e.match(ctx)
+            m = window_match((e.tokens,), e.head, e.offset, ctx)
             if m > n:
                 best, n, key = e, m, k
         if key is not None:

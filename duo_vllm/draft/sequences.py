@@ -1,13 +1,5 @@
-"""The draft's sequences: the state the drafter owns, and the llama.cpp calls on it.
-
-:class:`DraftSequences` holds each request's slot (:mod:`duo_vllm.draft.slots`),
-its branch tree (:mod:`duo_vllm.draft.branching`), the evicted sequences kept
-for when their request comes back (:mod:`duo_vllm.draft.prompt_cache`), and
-the draft's measured costs and acceptance; it makes the backend's calls, timed.
-The pre-draft (:mod:`duo_vllm.draft.predraft`) and the step
-(:mod:`duo_vllm.draft.drafter`) build on it; what they do is decided in
-:mod:`duo_vllm.control`.
-"""
+"""The draft's sequences: the state the drafter owns (slots, branch trees, the prompt
+cache, measured costs and acceptance), and the llama.cpp calls on it."""
 
 from __future__ import annotations
 
@@ -18,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from duo_vllm.control.drafting import PRIOR_PREFILL_S, assumed_cost, restore_pays
-from duo_vllm.control.goodput import Acceptance, DraftTimeModel, TargetCost
+from duo_vllm.control.drafting import PRIOR_PREFILL_S, restore_pays
+from duo_vllm.control.goodput import Acceptance, DraftTimeModel
 from duo_vllm.draft.branching import Branch, Tree
 from duo_vllm.draft.prompt_cache import PromptCache
 from duo_vllm.draft.sampling import draft_q, sample_q
@@ -40,8 +32,7 @@ class DraftPolicy:
     multi_sequence: bool = True  # several branches where the draft is unsure
     budget: int | None = None  # None: the goodput controller; N: always N tokens per request
     max_branches: int = 4
-    # sampled requests' drafts drawn from the draft's q, which the verifier then reads
-    # (duo_vllm/draft/sampling.py); False: the argmax, as for greedy ones
+    # sampled requests' drafts drawn from the draft's q (sampling.py); False: the argmax
     sampled_drafts: bool = False
     vocab_limit: int | None = None  # drawn tokens stay below it (the target's vocabulary)
 
@@ -52,8 +43,7 @@ class DraftPolicy:
 
 
 class DraftSequences:
-    """Slots, branch trees and measured costs over a multi-sequence backend
-    (:mod:`duo_vllm.draft.backend`), and its calls."""
+    """Slots, branch trees and measured costs over a multi-sequence backend, and its calls."""
 
     def __init__(self, backend, max_sequences: int, n_ctx: int, policy: DraftPolicy,
                  window: int | None = None, seed: int | None = None, cache_bytes: int = 0):
@@ -83,8 +73,7 @@ class DraftSequences:
 
     # -- backend calls, timed --------------------------------------------------
     def _decode(self, items):
-        """One backend decode call, timed: D(w) and the per-token times learn from it,
-        and ``busy_until`` forecasts its end. Returns (logits, tokens evaluated)."""
+        """One backend decode call, timed (for D(w)); returns (logits, tokens evaluated)."""
         t0 = time.perf_counter()
         n = sum(len(toks) for _, toks, _ in items)
         self.busy_until = t0 + self.draft_time(n)  # read by the actor, without the lock
@@ -98,14 +87,8 @@ class DraftSequences:
         return out, n
 
     def calibrate(self, widths=(1, 2, 3, 4), warm_tokens: int = 8) -> dict[int, float]:
-        """Measure D(w) for the narrow widths a pre-draft uses, before the first request.
-
-        Without it D(1) may be read off a prompt's prefill chunks alone, many
-        times a narrow call's: no pre-draft then fits a target step, and no
-        narrow call ever runs to correct it. Runs on slot 0's sequence, emptied
-        after; the first call (``warm_tokens``, untimed) warms the draft up.
-        Returns D by width.
-        """
+        """Measure D(w) for the narrow widths a pre-draft uses, on slot 0 before the first
+        request (else D(1) may be read off prefill chunks: too slow for any pre-draft)."""
         sid = self.pool.slots[0].seq_id
         toks = np.arange(1, warm_tokens + 1, dtype=np.int32)  # any tokens: timing only
         try:
@@ -128,14 +111,9 @@ class DraftSequences:
                 if br.seq_id != slot_id:
                     self.backend.remove(br.seq_id, 0, -1)
 
-    def _draws(self, temperature: float) -> bool:
-        """Are this request's draft tokens drawn from q (else the argmax)?"""
-        return self.policy.sampled_drafts and temperature >= 1e-5
-
     def _next_token(self, logits: np.ndarray, temperature: float):
-        """The next draft token and its q: drawn from q for a sampled request (with
-        ``sampled_drafts``), else the argmax (q None)."""
-        if self._draws(temperature):
+        """The next draft token and its q: drawn from q, else the argmax (q None)."""
+        if self.policy.sampled_drafts and temperature >= 1e-5:
             q = draft_q(logits, temperature, limit=self.policy.vocab_limit)
             return sample_q(*q, self.rng), q
         return int(np.argmax(logits)), None
@@ -155,8 +133,7 @@ class DraftSequences:
         return keep
 
     def _recover(self, slots) -> None:
-        """After a failed decode call: log and count it, and empty the slots' sequences
-        (their requests get no draft this step)."""
+        """After a failed decode call: log it and empty the slots' sequences."""
         logger.exception("drafting failed; the affected requests get no draft this step")
         self.stats.errors += 1
         for slot in slots:
@@ -168,9 +145,6 @@ class DraftSequences:
             slot.tokens = np.zeros(0, dtype=np.int32)
 
     # -- measured costs --------------------------------------------------------
-    def _cost(self) -> TargetCost:
-        return assumed_cost(self.target_step_s, self.per_token_s)
-
     def _prefill_token_s(self) -> float:
         return self.prefill_s.get(PRIOR_PREFILL_S)
 
@@ -190,9 +164,8 @@ class DraftSequences:
 
     # -- slots and the prompt cache --------------------------------------------
     def _assign(self, contexts, live=frozenset()) -> list[Assignment | None]:
-        """``pool.assign``, with the prompt cache: a slot taken afresh leaves what it held
-        to the cache first, then takes the cached sequence its new context shares the
-        most with, where that spares a prefill (:func:`restore_pays`)."""
+        """``pool.assign``, with the prompt cache: a slot taken afresh saves what it held,
+        then restores the cached sequence its context shares most with, where that pays."""
         out = self.pool.assign(contexts, live)
         if self.cache is None:
             return out
@@ -215,8 +188,8 @@ class DraftSequences:
             self.cache.put(slot.tokens, head, offset, state)
 
     def _restore(self, a: Assignment, ctx: np.ndarray) -> Assignment:
-        """``a`` with its slot holding the cached sequence that shares the most with
-        ``ctx``, where one spares a prefill; else ``a`` as it is."""
+        """``a`` with its slot holding the cached sequence sharing the most with ``ctx``,
+        where one spares a prefill (:func:`restore_pays`); else ``a`` as it is."""
         entry, match = self.cache.best(ctx)
         if entry is None or not restore_pays(
                 match, a.reuse, len(window_view(ctx, entry.head, entry.offset)),

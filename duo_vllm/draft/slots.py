@@ -1,20 +1,10 @@
-"""Which cached draft sequence serves which request: longest-common-prefix matching.
+"""Which cached draft sequence serves which request: longest-common-prefix matching
+(vLLM passes a proposer no request ids; the drafter evaluates only the rest).
 
-The draft side owns its state, as llama.cpp's ``common/speculative`` does.
-The caller only ever hands over the full token context of a request; the
-drafter finds the cached sequence that shares the longest prefix with it,
-keeps that prefix (its KV cache is still valid) and evaluates the rest. The
-caller never tells it what was accepted or rolled back. vLLM does not pass
-request ids to a custom proposer, so this matching is also what tells
-requests apart.
-
-A slot may hold a *window* of its request, ``window`` tokens of it: its
-first ``head`` (the chat template, the system prompt, the instruction) and,
-from ``offset`` on, its last ``window - head`` when the slot was taken; at
-draft positions 0, 1, ... A long prompt is then prefilled in a fraction of
-the time, and the draft starts drafting sooner; drafts change speed, never
-output. Every array a slot holds, and every match against it, is in window
-coordinates (:meth:`Slot.view`).
+A slot may hold a *window* of its request: its first ``head`` tokens (chat
+template, system prompt) and its last ``window - head`` from ``offset`` on, so a
+long prompt is prefilled sooner. Every array a slot holds, and every match
+against it, is in window coordinates (:meth:`Slot.view`).
 """
 
 from __future__ import annotations
@@ -43,8 +33,7 @@ class Slot:
     seq_id: int
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     last_used: int = 0
-    # a prompt queued for this slot and not evaluated yet (the drafter's prefetch):
-    # the request's first step must find this slot, not recycle another
+    # a prompt queued by prefetch, not evaluated yet: its request's first step finds this slot
     queued: np.ndarray | None = None
     queued_at: int = 0
     # the context of the request it served last: its name even while nothing is evaluated
@@ -64,24 +53,20 @@ class Assignment:
     slot: Slot
     reuse: int  # tokens of slot.tokens that equal the view's prefix
     view: np.ndarray  # the context as the slot holds it (from slot.offset on)
-    # a slot taken afresh: the window (head, offset) of what it held till now, which
-    # slot.tokens still are (the drafter may keep them: duo_vllm/draft/prompt_cache.py)
+    # a slot taken afresh: the window (head, offset) of the tokens it still holds
     before: tuple[int, int] | None = None
 
 
 def window_view(ctx: np.ndarray, head: int, offset: int) -> np.ndarray:
-    """``ctx`` as a window holds it: its first ``head`` tokens, then from ``offset`` on
-    (``offset`` 0: all of it)."""
+    """``ctx`` as a window holds it: its first ``head`` tokens, then from ``offset`` on."""
     if offset == 0:
         return ctx
     return np.concatenate([ctx[:head], ctx[offset:]])
 
 
 def window_match(held, head: int, offset: int, ctx: np.ndarray) -> int:
-    """The longest prefix of ``ctx``'s view in a window (``head``, ``offset``) that one
-    of the token arrays ``held`` (``None``s skipped) has. A windowed one matches only
-    beyond its head (the chat template and system prompt every request shares), and
-    only a context longer than its window's start."""
+    """The longest prefix of ``ctx``'s view in a window that one of ``held`` (``None``s
+    skipped) has; in a window, only a match beyond its head (every request's) counts."""
     if len(ctx) <= offset:  # shorter than the window's start: another request
         return 0
     view = window_view(ctx, head, offset)
@@ -90,38 +75,28 @@ def window_match(held, head: int, offset: int, ctx: np.ndarray) -> int:
 
 
 def pool_window(window: int | None, n_ctx: int) -> int | None:
-    """The tokens of a request the draft sees: ``window`` (``None`` or 0: the whole
-    context), at most half the draft's context so that a full window slides on by
-    the other half."""
+    """The tokens of a request the draft sees: ``window`` (``None`` or 0: all), at most
+    half the draft's context, so a full window slides on by the other half."""
     return min(window, n_ctx // 2) if window else None
 
 
 class SlotPool:
-    """A bounded pool of draft sequences, matched to contexts by common prefix.
+    """At most ``size`` draft sequences; ``assign`` gives each context of a batch one:
 
-    ``assign`` gives each context of a batch a distinct slot:
-
-    1. the slot it shares the longest *real* prefix with (longer than the
-       chat template every prompt starts with), longest matches first, so a
-       new context never takes the slot of a request further down the batch;
-       not where the match leaves more to evaluate than a window taken afresh;
+    1. the slot it shares the longest prefix beyond the chat template with,
+       longest matches first, where that leaves less to evaluate than a fresh slot;
     2. else an empty slot, else the least recently used one, never a ``live``
-       slot (a running request's) nor one queued for a prompt being prefilled;
-    3. else none: the request decodes without a draft (``no_slot``).
-
-    Memory stays bounded: there are never more than ``size`` slots. A slot
-    taken for a new context (2.) holds its last ``window`` tokens (``None``:
-    all of it); see :func:`window_offset`.
+       slot nor one queued for a prompt, holding the context's window;
+    3. else none: the request decodes without a draft.
     """
 
     QUEUED_TTL = 256  # assign() calls a queued prompt keeps its slot without showing up
 
-    def __init__(self, size: int, min_reuse: int = 1, window: int | None = None):
+    def __init__(self, size: int, window: int | None = None):
         if size < 1:
             raise ValueError("SlotPool needs at least one slot")
         self.size, self.window = size, window
         self.slots = [Slot(seq_id=i) for i in range(size)]
-        self.min_reuse = min_reuse
         self.template_len = 0  # the prefix all prompts share (learned by note_prompts)
         self._last_prompt: np.ndarray | None = None
         self.clock = 0
@@ -151,24 +126,20 @@ class SlotPool:
                live: set[int] | frozenset[int] = frozenset()) -> list[Assignment | None]:
         """One slot per context (``None`` when none is free), no slot twice."""
         self.clock += 1
-        need = max(self.min_reuse, self.template_len + 1)
+        need = self.template_len + 1
         pairs = []
         for i, ctx in enumerate(contexts):
             fresh = self.fresh_tokens(len(ctx))
             for slot in self.slots:
                 m = self._match(slot, ctx)
-                # a match saves work only where it leaves less to evaluate than a slot
-                # taken afresh: a long prompt that shares a preamble with a short one
-                # before it would get that one's whole-context view, not a window
+                # (else a long prompt would get the whole view of a short one it extends)
                 if m >= need and saves_work(len(slot.view(ctx)), m, fresh):
                     pairs.append((m, slot.last_used, -i, slot.seq_id))
         taken: set[int] = set()
         out: list[Assignment | None] = [None] * len(contexts)
         for _, _, neg_i, seq_id in sorted(pairs, reverse=True):
-            i = -neg_i
-            if out[i] is None and seq_id not in taken:
-                slot = self.slots[seq_id]
-                out[i] = self._take(slot, contexts[i], taken)
+            if out[-neg_i] is None and seq_id not in taken:
+                out[-neg_i] = self._take(self.slots[seq_id], contexts[-neg_i], taken)
         for i, ctx in enumerate(contexts):
             if out[i] is not None:
                 continue
@@ -185,25 +156,19 @@ class SlotPool:
         return out
 
     def fresh_tokens(self, length: int) -> int:
-        """Tokens a slot taken afresh for a ``length``-token context evaluates: its
-        window (at most)."""
+        """Tokens a slot taken afresh for a ``length``-token context evaluates."""
         return length if self.window is None else min(length, self.window)
 
     def place(self, slot: Slot, length: int) -> None:
         """Set the window of a slot taken for a ``length``-token context."""
-        slot.head, slot.offset = window_offset(length, self.window)
+        if self.window is None or length <= self.window:
+            slot.head, slot.offset = 0, 0
+        else:
+            slot.head = self.window // 4
+            slot.offset = length - (self.window - slot.head)
 
     def _take(self, slot: Slot, ctx: np.ndarray, taken: set[int]) -> Assignment:
         slot.last_used = self.clock
         taken.add(slot.seq_id)
         view = slot.view(ctx)
         return Assignment(slot, common_prefix_len(slot.tokens, view), view)
-
-
-def window_offset(length: int, window: int | None) -> tuple[int, int]:
-    """(head, offset): a ``length``-token context's window is its first ``head`` tokens
-    (a quarter of the window) and its tokens from ``offset`` on; (0, 0): all of it."""
-    if window is None or length <= window:
-        return 0, 0
-    head = window // 4
-    return head, length - (window - head)

@@ -1,11 +1,5 @@
-"""The draft's CPU cores: a few physical cores where vLLM leaves room.
-
-On vLLM-CPU the draft takes cores the target's binding leaves free; on GPU vLLM
-(no binding) a few physical cores of one NUMA node, the GPU's where known.
-:func:`choose_draft_cores` is a pure function of what :func:`read_topology`,
-:func:`cgroup_cpu_limit` and :func:`gpu_numa_node` read from ``/sys`` through an
-injectable ``read``, so tests can fake any host.
-"""
+"""The draft's CPU cores: a few physical cores where vLLM leaves room (:func:`choose_draft_cores`,
+a pure function of what the readers here take from ``/sys`` through an injectable ``read``)."""
 
 from __future__ import annotations
 
@@ -65,43 +59,35 @@ class Topology:
         return self.node_of.get(cpu, 0)
 
 
+def _listed(text: str | None) -> list[int]:
+    """A CPU list read from /sys; empty where missing or malformed."""
+    try:
+        return parse_cpu_list(text or "")
+    except ValueError:
+        return []
+
+
 def read_topology(cpus: Iterable[int], read: Reader = read_text) -> Topology:
     """The sibling map and NUMA nodes of ``cpus`` (an undescribed CPU: its own core, node 0)."""
     cpus = list(cpus)
     siblings = {}
     for c in cpus:
-        text = read(f"{SYS_CPU}/cpu{c}/topology/thread_siblings_list")
-        try:
-            sib = tuple(sorted(set(parse_cpu_list(text)) | {c})) if text else (c,)
-        except ValueError:
-            sib = (c,)
-        siblings[c] = sib
+        listed = _listed(read(f"{SYS_CPU}/cpu{c}/topology/thread_siblings_list"))
+        siblings[c] = tuple(sorted(set(listed) | {c}))
     node_of = {}
-    try:
-        nodes = parse_cpu_list(read(f"{SYS_NODE}/online") or "")
-    except ValueError:
-        nodes = []
-    for n in nodes:
-        try:
-            members = parse_cpu_list(read(f"{SYS_NODE}/node{n}/cpulist") or "")
-        except ValueError:
-            continue
-        for c in members:
+    for n in _listed(read(f"{SYS_NODE}/online")):
+        for c in _listed(read(f"{SYS_NODE}/node{n}/cpulist")):
             node_of.setdefault(c, n)
     return Topology(siblings, {c: node_of.get(c, 0) for c in cpus})
 
 
 def parse_cpu_max(text: str | None) -> int | None:
     """floor(quota / period), at least 1, of a ``cpu.max`` text; ``None``: no quota."""
-    if not text:
-        return None
-    parts = text.split()
-    if not parts or parts[0] == "max":
-        return None
-    try:
+    parts = (text or "").split()
+    try:  # "max": no quota
         quota = int(parts[0])
         period = int(parts[1]) if len(parts) > 1 else 100000
-    except ValueError:
+    except (IndexError, ValueError):
         return None
     if quota <= 0 or period <= 0:
         return None
@@ -160,42 +146,34 @@ def choose_draft_cores(available: Iterable[int], taken: Iterable[int] | None,
                        topology: Topology | None = None, quota: int | None = None,
                        preferred_node: int | None = None,
                        max_threads: int = MAX_DRAFT_THREADS) -> CoreChoice:
-    """The draft's cores when the user names none.
+    """The draft's cores when the user names none, one CPU per physical core (a second
+    hyperthread gains llama.cpp nothing), at most ``max_threads``.
 
-    ``taken``: the target's cores from vLLM's CPU binding (``None``: no binding, as
-    on a GPU); ``quota``: the cgroup's CPU quota; ``preferred_node``: the GPU's node.
-
-    * bound: free physical cores, those sharing no hyperthread with the target
-      first, at most ``max_threads`` and the quota left; none free: the last CPU, shared.
-    * unbound: physical cores of one NUMA node (the preferred, else the one with the
-      most), at most ``max_threads``, half the node and half the quota, so vLLM's
-      processes keep the rest; highest-numbered first, as the OS favours low ones.
-
-    One CPU per physical core: a second hyperthread gains llama.cpp nothing.
+    * ``taken`` (the target's cores from vLLM's CPU binding): free cores, those sharing no
+      hyperthread with the target first, within the ``quota`` left; none: the last CPU, shared.
+    * ``None`` (no binding, as on a GPU): cores of one NUMA node (``preferred_node``, else the
+      one with the most), at most half the node and half the quota, so vLLM's processes keep
+      the rest; highest-numbered first, as the OS favours low ones.
     """
     allowed = sorted(set(available))
     topo = topology or Topology({c: (c,) for c in allowed}, {c: 0 for c in allowed})
-    why = []
     bound_by_vllm = taken is not None
+    taken = set(taken or ())
+    want = max_threads
     if bound_by_vllm:
-        taken = set(taken)
-        free = [c for c in allowed if c not in taken]
+        candidates = [c for c in allowed if c not in taken]
         bound = sorted(taken & set(allowed))
-        if not free:
+        if not candidates:
             return CoreChoice(allowed[-1:], True,
                               f"vLLM's CPU binding takes every CPU ({_span(bound)}): "
                               "the draft shares the last one")
-        why.append(f"vLLM's CPU binding takes {_span(bound)}")
-        want = max_threads
+        why = [f"vLLM's CPU binding takes {_span(bound)}"]
         if quota is not None:
             want = min(want, max(1, quota - len(bound)))
             why.append(f"cgroup CPU quota {quota} CPUs")
-        candidates = free
     else:
-        taken = set()
-        why.append("vLLM binds no CPU threads (as on GPU vLLM)")
+        why = ["vLLM binds no CPU threads (as on GPU vLLM)"]
         candidates = allowed
-        want = max_threads
         if quota is not None:
             want = min(want, max(1, quota // 2))
             why.append(f"cgroup CPU quota {quota} CPUs, half for the draft")

@@ -1,10 +1,8 @@
 """The draft actor: the drafter in a process of its own, pinned to CPU cores.
 
-:class:`DraftWorker` is plain Python (run in-process when ``use_actor`` is
-off, and in tests); :func:`get_or_create_actor` wraps it in a named Ray actor
-in DuoProposer's namespace. Each ``propose`` call answers a vLLM step, then
-wakes a background thread that pre-drafts the next step while vLLM verifies;
-the next call interrupts that thread between two llama.cpp decode calls.
+:class:`DraftWorker` runs in-process (``use_actor`` off, tests) or as the named Ray actor
+of :func:`get_or_create_actor`. Each ``propose`` answers a vLLM step, then a background
+thread pre-drafts the next step until the next call interrupts it between decode calls.
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ import logging
 import os
 import threading
 import time
+from contextlib import suppress
 
 from duo_vllm.runtime.channel import ChannelServer
 from duo_vllm.config import (DuoConfig, DuoConfigError, allowed_cpus, choose_cores, nest_tuning,
@@ -27,34 +26,18 @@ logger = logging.getLogger(__name__)
 
 
 def pin_process(cores: list[int]) -> list[int]:
-    """Pin the calling process, every thread of it, to ``cores``; raise a readable error
-    if impossible.
-
-    ``sched_setaffinity(0, ...)`` pins the calling thread only, and a Ray actor's
-    process has threads of its own (gRPC, the core worker) started before it
-    runs: left on every CPU, they would run on the target's cores.
-    """
+    """Pin every thread of this process to ``cores`` (a Ray actor's gRPC and core-worker
+    threads too: ``sched_setaffinity(0)`` pins the caller only); a readable error if impossible."""
     allowed = allowed_cpus()
     missing = [c for c in cores if c not in allowed]
     if missing:
-        raise DuoConfigError(
-            f"draft_cores {cores} name CPU(s) {missing} that do not exist on this node "
-            f"(allowed CPUs: {allowed})"
-        )
+        raise DuoConfigError(f"draft_cores {cores} name CPU(s) {missing} that do not exist "
+                             f"on this node (allowed CPUs: {allowed})")
     os.sched_setaffinity(0, cores)
     for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ():
-        try:
+        with suppress(OSError):  # a thread that ended meanwhile
             os.sched_setaffinity(int(tid), cores)
-        except OSError:  # a thread that ended meanwhile
-            pass
     return sorted(os.sched_getaffinity(0))
-
-
-def make_policy(config: DuoConfig, k: int) -> DraftPolicy:
-    return DraftPolicy(k=k, parallel=config.parallel, multi_sequence=config.multi_sequence,
-                       budget=config.fixed_budget(), max_branches=config.max_branches,
-                       sampled_drafts=config.sampled_drafts,
-                       vocab_limit=config.target_vocab_size())
 
 
 class DraftWorker:
@@ -67,13 +50,15 @@ class DraftWorker:
         n_threads, too_many = draft_threads(config.n_threads, len(self.cores))
         if too_many:
             logger.warning("DuoProposer: %s", too_many)
-        policy = make_policy(config, k)
+        policy = DraftPolicy(k=k, parallel=config.parallel, multi_sequence=config.multi_sequence,
+                             budget=config.fixed_budget(), max_branches=config.max_branches,
+                             sampled_drafts=config.sampled_drafts,
+                             vocab_limit=config.target_vocab_size())
         room = policy.max_branches * (k + 2)  # the branches' own tokens, per request
         self.limits = None
 
         def size(n_ctx_train: int) -> tuple[int, int]:
-            """llama.cpp's context (cells, sequences), once the model says its training
-            context: one n_ctx per request, plus room for the branches' own tokens."""
+            """llama.cpp's context (cells, sequences) for the model's training context."""
             self.limits = config.draft_limits(n_ctx_train, policy.max_branches)
             rows = self.limits.max_sequences
             return rows * (self.limits.n_ctx + room), rows * policy.max_branches
@@ -84,20 +69,19 @@ class DraftWorker:
             from duo_vllm.models import prepare_draft
 
             self.draft_file = prepare_draft(model_path, config.draft_quant, log=logger.info)
-            backend = LlamaCppBackend(self.draft_file, n_ctx=None, n_seq=None,
-                                      n_threads=n_threads,
-                                      n_gpu_layers=config.draft_gpu_layers, size=size)
+            self.backend = LlamaCppBackend(self.draft_file, n_ctx=None, n_seq=None,
+                                           n_threads=n_threads, size=size,
+                                           n_gpu_layers=config.draft_gpu_layers)
         else:
-            backend = backend_factory(config)
-        self.backend = backend
+            self.backend = backend_factory(config)
         if self.limits is None:  # a backend that did not ask (tests)
-            size(getattr(backend, "n_ctx_train", 0))
+            size(getattr(self.backend, "n_ctx_train", 0))
         for warning in self.limits.warnings:
             logger.warning("DuoProposer: %s", warning)
         for note in self.limits.notes:
             logger.info("DuoProposer: %s", note)
-        self.drafter = DuoDrafter(backend, self.limits.max_sequences, self.limits.n_ctx, policy,
-                                  window=config.draft_window or None,
+        self.drafter = DuoDrafter(self.backend, self.limits.max_sequences, self.limits.n_ctx,
+                                  policy, window=config.draft_window or None,
                                   cache_bytes=config.prompt_cache_mb << 20)
         try:
             logger.info("DuoProposer: draft call ms by width %s", {
@@ -112,7 +96,6 @@ class DraftWorker:
         self._prompts: list = []  # prompts vLLM is prefilling, for the background thread
         self._paused = False  # the gate turned drafting off: no background work till a call
         self._contexts = DeltaReceiver()  # the contexts of the last step, per request
-        self._max_prompts = self.limits.max_sequences
         self._lock_wait_s, self._proposes = 0.0, 0  # steps' waits for a decode under way
         self._handler_s = 0.0  # time inside propose(): the part of vLLM's wait spent here
         self._wake = threading.Event()
@@ -145,20 +128,11 @@ class DraftWorker:
         return self.backend.token_texts()
 
     def propose(self, step: StepRequest) -> list[list[int]]:
-        """Drafts for one vLLM step (see :meth:`DuoDrafter.propose`).
-
-        ``step.contexts`` is a list of full contexts, or a
-        :class:`~duo_vllm.runtime.delta.Delta` of them against the last step's
-        (the worker keeps the contexts): the drafts of rows this worker could
-        not decode are empty, and come as :class:`~duo_vllm.runtime.delta.Drafts`,
-        whose ``resend`` names them.
-
-        A pre-draft still running stops at its next decode boundary. A prefill
-        chunk under way is waited for only if it ends within a fraction of a
-        target step (:func:`~duo_vllm.control.drafting.step_patience`);
-        otherwise the step goes without a draft and its contexts are left for
-        the background thread: vLLM never waits on a long prefill.
-        """
+        """Drafts for one vLLM step (:meth:`DuoDrafter.propose`). ``step.contexts`` is full
+        contexts or a :class:`Delta`; rows it cannot decode get no draft, named in
+        :attr:`Drafts.resend`. A decode under way is waited for only within
+        :func:`step_patience`; otherwise the step goes without a draft and its contexts
+        are left to the background thread: vLLM never waits on a long prefill."""
         t_in = time.perf_counter()
         try:
             return self._propose_delta(step)
@@ -188,7 +162,10 @@ class DraftWorker:
         with self._state:
             self._waiting += 1
             self._paused = False
-        patience = self._patience(step.step_s)
+        # how long this step may wait for a decode call under way
+        patience = step_patience(self.drafter.token_s.get(PRIOR_TOKEN_S),
+                                 self.drafter.busy_until - time.perf_counter(),
+                                 step.step_s or self.drafter.target_step_s or PRIOR_STEP_S)
         t0 = time.perf_counter()
         got = self._lock.acquire(timeout=patience) if self._thread else self._lock.acquire()
         self._lock_wait_s += time.perf_counter() - t0
@@ -217,38 +194,25 @@ class DraftWorker:
         return drafts
 
     def _idle(self) -> bool:
-        """Nothing queued for the background thread (pre-drafts, prompts, a stashed
-        step): the draft's cores idle until the next step. Read under the lock."""
+        """Nothing queued for the background thread: the cores idle till the next step."""
         with self._state:
             return not self.drafter.jobs and not self._prompts and self._stash is None
 
-    def _patience(self, target_step_s) -> float:
-        """How long a step may wait for the drafter (the decode call under way)."""
-        return step_patience(self.drafter.token_s.get(PRIOR_TOKEN_S),
-                             self.drafter.busy_until - time.perf_counter(),
-                             target_step_s or self.drafter.target_step_s or PRIOR_STEP_S)
-
     def prefetch(self, contexts) -> int:
-        """Prompts vLLM is about to prefill: the background thread evaluates them now.
-
-        Returns at once (the caller does not wait for it); the number of
-        prompts accepted (0 in serial mode, where nothing runs in the background).
-        """
+        """Prompts vLLM is about to prefill, for the background thread; returns at once with
+        the number accepted (0 in serial mode)."""
         if self._thread is None:
             return 0
         with self._state:
-            self._prompts = (self._prompts + list(contexts))[-self._max_prompts:]
+            self._prompts = (self._prompts + list(contexts))[-self.limits.max_sequences:]
             self._paused = False
         self._wake.set()
         return len(contexts)
 
     def pause(self, wait: bool = False) -> None:
-        """The gate turned drafting off: drop the background work queued (prompts to
-        prefill, a stashed step, pre-drafts), so the draft core goes idle; its memory
-        traffic would slow the target (benchmarks/contention.py). A decode call under
-        way ends first; with ``wait``, this returns once it has (the target is about to
-        run on the draft's cores). The next propose() or prefetch() resumes from the
-        state held."""
+        """The gate turned drafting off: drop the queued background work so the draft's
+        cores idle. With ``wait``, return once a decode under way has ended (the target is
+        about to run on these cores). The next propose() or prefetch() resumes."""
         with self._state:
             self._prompts, self._stash = [], None
             self._paused = True
@@ -259,17 +223,6 @@ class DraftWorker:
     def _interrupted(self) -> bool:
         """A step is waiting for the drafter, or has left newer contexts."""
         return self._waiting > 0 or self._stash is not None or self._paused
-
-    def wait_idle(self, timeout: float = 10.0) -> bool:
-        """Block until the pending pre-draft has run (tests and profiling)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                if (not self.drafter.jobs and not self._wake.is_set() and self._stash is None
-                        and not self._prompts):
-                    return True
-            time.sleep(0.002)
-        return False
 
     def _predraft_loop(self) -> None:
         while not self._closed:
@@ -294,9 +247,8 @@ class DraftWorker:
                     break
 
     def stats(self) -> dict:
-        """Read without the drafter's lock: Ray queues the next step's propose() behind
-        this call, and waiting out a background prefill for the lock stalled that step.
-        Counters read while the background thread runs are at most a step apart."""
+        """Read without the drafter's lock, which a background prefill may hold while the
+        next step's propose() queues behind this call; counters may be a step apart."""
         for _ in range(5):
             try:
                 return self._stats()
@@ -322,13 +274,9 @@ class DraftWorker:
         out["acceptance_sampled"] = acc.regime_alpha("sampled")
         return out
 
-    def ping(self) -> bool:
-        return True
-
     def open_channel(self) -> tuple[str, bytes]:
-        """A Unix socket for the step's calls from a proposer on this node
-        (:mod:`duo_vllm.runtime.channel`): its address and authkey. Its threads start from
-        this one, so they run on the draft's cores."""
+        """(address, authkey) of a Unix socket for the step's calls from this node; its
+        threads start from this one, so they run on the draft's cores."""
         if self._channel is None:
             self._channel = ChannelServer(self)
         return self._channel.address, self._channel.authkey
@@ -342,11 +290,8 @@ class DraftWorker:
 
 
 class DraftActor(DraftWorker):
-    """DraftWorker as the Ray actor: its log lines in vLLM's format (no vLLM there).
-
-    Without cores from the proposer (placed by ``resources``, maybe on another
-    node) it chooses a few physical cores of the node it runs on.
-    """
+    """DraftWorker as the Ray actor, logging in vLLM's format; without cores from the
+    proposer (placed by ``resources``), it chooses cores of the node it runs on."""
 
     def __init__(self, cfg: dict, model_path: str, cores: list[int] | None, k: int,
                  backend_factory=None):
@@ -360,8 +305,8 @@ class DraftActor(DraftWorker):
 
 def node_draft_cores(config: DuoConfig, available: list[int] | None = None,
                      environ: dict | None = None, host=None) -> list[int]:
-    """The draft's cores chosen on the node the actor runs on (its own CPU list,
-    binding and quota; no GPU lookup: a remote node's GPU is not vLLM's), logged."""
+    """The draft's cores chosen on the actor's node (no GPU lookup: a remote node's GPU is
+    not vLLM's), logged."""
     available = allowed_cpus() if available is None else available
     host = read_host(available, gpu=False) if host is None else host
     choice = choose_cores(config, available, os.environ if environ is None else environ, host)
@@ -381,11 +326,8 @@ def _ray_node_id() -> str | None:
 
 
 def get_or_create_actor(config: DuoConfig, model_path: str, cores: list[int] | None, k: int):
-    """Create the named draft actor, or attach to it if it already runs.
-
-    ``config.resources`` places it (a custom resource selects a node of a
-    Ray cluster); it takes no CPU from Ray's accounting since it pins itself.
-    """
+    """Create the named draft actor, or attach to it if it runs; ``config.resources`` place
+    it. It takes no CPU from Ray's accounting since it pins itself."""
     import ray
 
     actor_cls = ray.remote(num_cpus=0, max_concurrency=1)(DraftActor)

@@ -1,15 +1,10 @@
-"""A same-node draft actor's step calls over a Unix socket instead of Ray.
+"""A same-node draft actor's step calls over a Unix socket, cheaper than a Ray call.
 
-vLLM waits for the drafts every step, and a socket round trip costs a fraction
-of a Ray actor call. The actor listens on a Unix socket (Linux's abstract
-namespace, so a killed actor leaves no file; elsewhere a private 0700
-directory) guarded by an authkey handed over through Ray. Ray still starts,
-places and restarts the actor and carries the calls off the step path; the
-step's calls (``propose``, ``prefetch``, ``pause``) all take the socket, so
-they keep their order.
-
-A call is a ticket: ``submit`` sends it, ``ready``/``get`` read the answers
-in the order the actor gives them; ``reply=False`` is fire-and-forget.
+The socket (in Linux's abstract namespace, so a killed actor leaves no file; elsewhere in
+a private 0700 directory) is guarded by an authkey handed over through Ray, which still
+starts and restarts the actor and carries the calls off the step path. The step's calls
+all take the socket, so they keep their order. ``submit`` returns a ticket for
+``ready``/``get``; ``reply=False``: no answer.
 """
 
 from __future__ import annotations
@@ -22,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import suppress
 from multiprocessing.connection import Client, Listener, answer_challenge, deliver_challenge
 
 STEP_METHODS = ("propose", "prefetch", "pause")  # what the socket serves
@@ -36,16 +32,13 @@ class NoAnswer(Exception):
 
 
 class ChannelServer:
-    """The actor's end: serves ``methods`` of ``target``, one call at a time (as a Ray
-    actor with ``max_concurrency=1``).
+    """The actor's end: serves the step's methods of ``target``, one call at a time (as a
+    Ray actor with ``max_concurrency=1``). Each connection has a reader thread, so sends
+    never wait on a call under way, and a thread that does the handshake and runs the
+    calls in order (a silent client stalls no one else)."""
 
-    Each connection has a reader thread, so the proposer's sends never wait on a call
-    under way, and a thread that runs the calls in order and does the authkey handshake
-    (a silent client stalls no one else).
-    """
-
-    def __init__(self, target, methods=STEP_METHODS):
-        self._target, self._methods = target, frozenset(methods)
+    def __init__(self, target):
+        self._target = target
         self._lock = threading.Lock()  # one call at a time, whichever connection
         if sys.platform.startswith("linux"):
             self._dir, self.address = None, f"\0duo-vllm-{os.getpid()}-{os.urandom(8).hex()}"
@@ -68,17 +61,12 @@ class ChannelServer:
             threading.Thread(target=self._serve, args=(conn,), name="duo-channel-conn",
                              daemon=True).start()
 
-    def _handshake(self, conn) -> bool:
-        try:  # what Listener(authkey=...).accept() does, in this connection's thread
-            deliver_challenge(conn, self.authkey)
-            answer_challenge(conn, self.authkey)
-            return True
-        except Exception:  # a wrong key, or a client that went away
-            return False
-
     def _serve(self, conn) -> None:
         with conn:
-            if not self._handshake(conn):
+            try:  # what Listener(authkey=...).accept() does, in this connection's thread
+                deliver_challenge(conn, self.authkey)
+                answer_challenge(conn, self.authkey)
+            except Exception:  # a wrong key, or a client that went away
                 return
             calls: queue.SimpleQueue = queue.SimpleQueue()
             threading.Thread(target=self._read, args=(conn, calls), name="duo-channel-read",
@@ -89,8 +77,8 @@ class ChannelServer:
                     return
                 seq, name, args, reply = call
                 try:
-                    if name not in self._methods:
-                        raise AttributeError(f"the channel serves {sorted(self._methods)}, "
+                    if name not in STEP_METHODS:
+                        raise AttributeError(f"the channel serves {sorted(STEP_METHODS)}, "
                                              f"not {name!r}")
                     with self._lock:
                         value, ok = getattr(self._target, name)(*args), True
@@ -119,10 +107,8 @@ class ChannelServer:
 
     def close(self) -> None:
         self._closed = True
-        try:
+        with suppress(Exception):
             self._listener._listener._socket.shutdown(socket.SHUT_RDWR)  # wakes accept()
-        except Exception:
-            pass
         try:
             self._listener.close()
         finally:

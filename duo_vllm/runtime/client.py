@@ -1,22 +1,17 @@
-"""The proposer's side of the draft actor: bounded waits, failures, restarts.
+"""The proposer's side of the draft actor: vLLM's step loop never hangs on it.
 
-vLLM's step loop must never hang on, nor lose a request to, the draft side:
-
-- ``propose`` waits at most ``propose_timeout_s`` (``"auto"``: the actor's
-  smoothed answer time plus four mean deviations, plus half a target step). A
-  call that misses it is dropped when it lands; until then steps go without a
-  draft. Misses are counted; one later than ``STALL_WARN_S`` is logged.
-- a dead actor is replaced in the background while steps go without drafts;
-  after ``max_restarts`` replacements the proposer stays on plain decoding.
-
-The step's calls take a Unix socket (:mod:`duo_vllm.runtime.channel`) when the
-actor is on this Ray node, else Ray. What the calls mean is DuoProposer's business.
+``propose`` waits at most ``propose_timeout_s`` (:func:`auto_timeout` for ``"auto"``); a
+late call is dropped when it lands, steps going without drafts meanwhile. A dead actor is
+replaced in the background; after ``max_restarts`` the proposer stays on plain decoding.
+The step's calls take a Unix socket (:mod:`~duo_vllm.runtime.channel`) on the actor's
+node, else Ray.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from contextlib import suppress
 from typing import Any, Callable
 
 from duo_vllm.runtime.channel import Channel, RayCalls, RemoteError
@@ -30,8 +25,7 @@ STALL_WARN_S = 1.0  # a call this late is a stalled actor, worth a warning
 RETRY_S = 0.5  # wait before asking Ray again for a replacement actor
 
 
-def auto_timeout(answer_s: float | None, step_s: float | None,
-                 answer_dev_s: float = 0.0) -> float:
+def auto_timeout(answer_s: float | None, step_s: float | None, answer_dev_s: float = 0.0) -> float:
     """The bound on one propose() wait: smoothed answer time + 4 deviations + half a step."""
     if answer_s is None or step_s is None:
         return AUTO_TIMEOUT_FIRST_S
@@ -72,26 +66,26 @@ class ActorClient:
     @staticmethod
     def _open_channel(actor):
         """Ask the actor for its socket (a Ray ref), if it serves one."""
-        return actor.open_channel.remote() if _serves_channel(actor) else None
+        try:
+            serves = hasattr(actor, "open_channel")  # a Ray handle names the actor's methods
+        except Exception:
+            serves = False
+        return actor.open_channel.remote() if serves else None
 
     def _connect(self, opening):
         """The step's calls: the socket of ``opening`` (an open_channel() call) when the
         actor is on this node and it opens, else Ray."""
-        through_ray = RayCalls(self._ray, self.actor)
+        self.channel = False
         try:
             here = self._ray.get_runtime_context().get_node_id()
-            if self.info.get("node_id") != here or opening is None:
-                self.channel = False
-                return through_ray
-            address, authkey = self._ray.get(opening, timeout=30)  # at start-up only
-            calls = Channel(address, authkey)
+            if self.info.get("node_id") == here and opening is not None:
+                address, authkey = self._ray.get(opening, timeout=30)  # at start-up only
+                calls, self.channel = Channel(address, authkey), True
+                return calls
         except Exception as e:  # Ray's call still works: only slower
             self._log.info("DuoProposer: the draft actor's socket did not open (%s: %s); "
                            "its calls go through Ray", type(e).__name__, e)
-            self.channel = False
-            return through_ray
-        self.channel = True
-        return calls
+        return RayCalls(self._ray, self.actor)
 
     # blocking calls, off the step path (start-up, stats)
 
@@ -111,16 +105,12 @@ class ActorClient:
     def healthy(self) -> bool:
         return not self.disabled and self._starting is None and self._retry_at is None
 
-    def timeout_for(self, step_s: float | None) -> float:
-        if self._timeout == "auto":
-            return auto_timeout(self._answer_s, step_s, self._answer_dev_s)
-        return float(self._timeout)
-
     def propose(self, step: StepRequest) -> list[list[int]] | None:
         """The actor's drafts for ``step``, or ``None`` when this step must go without."""
         if self.disabled or not self._replacement_ready() or not self._pending_done():
             return None
-        timeout = self.timeout_for(step.step_s)
+        timeout = (auto_timeout(self._answer_s, step.step_s, self._answer_dev_s)
+                   if self._timeout == "auto" else float(self._timeout))
         t0 = time.perf_counter()
         try:
             ref = self._calls.submit("propose", step)
@@ -138,8 +128,8 @@ class ActorClient:
         return drafts
 
     def prefetch(self, contexts) -> bool:
-        """Hand the actor prompts vLLM is about to prefill; never waits, skipped while the
-        actor is unhealthy. Calls keep their order, so they arrive before that step's propose()."""
+        """Hand the actor prompts vLLM is about to prefill, ahead of that step's propose();
+        never waits, skipped while the actor is unhealthy."""
         if not self.healthy or self._pending is not None:
             return False
         try:
@@ -149,11 +139,9 @@ class ActorClient:
         return True
 
     def pause(self, wait_s: float = 0.0) -> bool:
-        """Tell the actor the gate turned drafting off, so it drops its background work.
-
-        With ``wait_s``, wait at most that long for its draft cores to go idle (the target
-        is about to run on them). Skipped while unhealthy; behind a late call it is queued
-        once, without a wait, so the actor stops pre-drafting when that call ends."""
+        """Tell the actor the gate turned drafting off; with ``wait_s``, wait at most that
+        long for its cores to go idle. Skipped while unhealthy; behind a late call it is
+        queued once, without a wait."""
         if not self.healthy:
             return False
         if self._pending is not None:
@@ -183,22 +171,17 @@ class ActorClient:
             return True
         ref, t0, bound = self._pending
         try:
-            landed = self._calls.ready(ref, 0.0)
-        except Exception as e:  # the socket closed: the actor is gone
-            self._on_error(e)
-            return False
-        if not landed:
-            late = time.perf_counter() - t0
-            if late > STALL_WARN_S and not self._stall_warned:
-                self._stall_warned = True
-                self._log.warning("DuoProposer: the draft actor has not answered for %.1f s "
-                                  "(bound %.0f ms); steps decode without a draft until it does",
-                                  late, 1e3 * bound)
-            return False
-        self._pending = self._paused_behind = None
-        try:
+            if not self._calls.ready(ref, 0.0):
+                late = time.perf_counter() - t0
+                if late > STALL_WARN_S and not self._stall_warned:
+                    self._stall_warned = True
+                    self._log.warning("DuoProposer: the draft actor has not answered for %.1f "
+                                      "s (bound %.0f ms); steps decode without a draft until "
+                                      "it does", late, 1e3 * bound)
+                return False
+            self._pending = self._paused_behind = None
             self._calls.get(ref)
-        except Exception as e:
+        except Exception as e:  # the socket closed (the actor is gone), or the call raised
             self._on_error(e)
             return False
         # a late answer raises the auto bound a little: it counts as 4 bounds at most
@@ -230,10 +213,8 @@ class ActorClient:
             return
         self._pending, self._paused_behind, self._stall_warned = None, None, False
         dead = getattr(self.actor, "_actor_id", None)
-        try:  # a dead named actor keeps its name until killed explicitly
+        with suppress(Exception):  # a dead named actor keeps its name until killed explicitly
             self._ray.kill(self.actor, no_restart=True)
-        except Exception:
-            pass
         try:
             actor = self._create()
         except Exception as e:
@@ -277,24 +258,13 @@ class ActorClient:
         return True
 
 
-def _serves_channel(actor) -> bool:
-    try:
-        return hasattr(actor, "open_channel")  # a Ray handle names the actor's methods
-    except Exception:
-        return False
-
-
 def _actor_gone(error: Exception) -> bool:
     """Did the call fail because the actor's process or Ray failed (worth a restart), not
     because the drafter's code raised (``RayTaskError``, ``RemoteError``: would fail again)?"""
-    from ray.exceptions import RayActorError, RayError, RayTaskError
+    from ray.exceptions import RayError, RayTaskError
 
     # first: a RayTaskError is also an instance of the drafter's exception (an OSError, say)
     if isinstance(error, (RemoteError, RayTaskError)):
         return False
-    if isinstance(error, (EOFError, OSError)):  # the socket: the actor's process is gone
-        return True
-    if isinstance(error, RayActorError):  # ActorDiedError, ActorUnavailableError
-        return True
-    # ObjectLostError, WorkerCrashedError, NodeDiedError, RaySystemError, ...
-    return isinstance(error, RayError) and not isinstance(error, RayTaskError)
+    # the socket closed with the actor's process; RayActorError, WorkerCrashedError, ...
+    return isinstance(error, (EOFError, OSError, RayError))

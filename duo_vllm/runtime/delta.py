@@ -1,15 +1,9 @@
-"""Each step's contexts as deltas against the contexts the draft actor already holds.
+"""Each step's contexts as deltas against those the draft actor holds, not O(context) a row.
 
-Sending every full context each step costs O(context) per row. :class:`DeltaSender`
-encodes a row as ``(key, start, check, new tokens)``: the receiver's
-``context[:start]`` plus the new tokens (``start`` 0: sent in full; ``check`` is
-``context[start - 1]``, a guard). :class:`DeltaReceiver` decodes full ``np.int32``
-contexts.
-
-Deltas are decoded once, in order. A mismatch (a new actor, a call never sent)
-costs drafts, never a wrong context: the row gets no context and its key is named
-in :attr:`Drafts.resend`, to be sent in full next step. Keys absent from a step
-are forgotten on both sides, so memory is bounded by the batch.
+A row is the receiver's ``context[:start]`` plus new tokens, ``check`` (its
+``context[start - 1]``) a guard. A mismatch (a new actor, a call never sent) costs drafts,
+never a wrong context: the row's key is named in :attr:`Drafts.resend`, to be sent in full
+next step. Keys absent from a step are forgotten on both sides: memory is bounded by the batch.
 """
 
 from __future__ import annotations

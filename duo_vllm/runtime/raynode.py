@@ -5,29 +5,9 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import contextmanager
+from contextlib import suppress
 
 from duo_vllm.config import DuoConfig, DuoConfigError, allowed_cpus
-
-
-@contextmanager
-def daemon_affinity():
-    """Start Ray's daemons on every allowed CPU: they would inherit the target's core
-    binding of vLLM's worker thread."""
-    before = os.sched_getaffinity(0)
-    try:
-        os.sched_setaffinity(0, allowed_cpus())
-    except OSError:
-        pass
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
-def private_ray(cfg: DuoConfig) -> bool:
-    """Does DuoProposer start a Ray instance of its own (no cluster named)?"""
-    return cfg.ray_address is None and not os.environ.get("RAY_ADDRESS")
 
 
 def ensure_ray(cfg: DuoConfig):
@@ -38,20 +18,23 @@ def ensure_ray(cfg: DuoConfig):
         return ray
     kwargs = dict(namespace=cfg.namespace, include_dashboard=False,
                   logging_level=logging.WARNING, log_to_driver=True)
-    if private_ray(cfg):
+    if cfg.ray_address is None and not os.environ.get("RAY_ADDRESS"):  # no cluster named
         # "local": a new instance even beside a `ray start` one; loopback: unreachable
         # from other machines; a small object store: the messages are tiny
-        kwargs["address"] = "local"
-        kwargs["object_store_memory"] = 128 * 1024 * 1024
-        kwargs["_node_ip_address"] = "127.0.0.1"
+        kwargs.update(address="local", object_store_memory=128 * 1024 * 1024,
+                      _node_ip_address="127.0.0.1")
     else:
         kwargs["address"] = cfg.ray_address
-    # else Ray's daemons flood vLLM's multiprocess /metrics with ray_* series
+    before = os.sched_getaffinity(0)
+    # hidden from Ray, whose daemons would flood vLLM's multiprocess /metrics with ray_*
     metrics_dir = os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     try:
-        with daemon_affinity():
-            ray.init(**kwargs)
+        # Ray's daemons on every allowed CPU, not on the target's cores of vLLM's worker thread
+        with suppress(OSError):
+            os.sched_setaffinity(0, allowed_cpus())
+        ray.init(**kwargs)
     finally:
+        os.sched_setaffinity(0, before)
         if metrics_dir is not None:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     return ray

@@ -1,22 +1,13 @@
 """Draft sources behind one interface, and the step's bookkeeping over them.
 
-A source proposes each row a draft with the acceptance of its tokens
-(:class:`Proposal`); :func:`duo_vllm.control.serving.serve` picks what a row is
-served among the proposals, the draft model's first. Every proposal is scored
-against the tokens the target then produced, served or not, so each request's
-acceptance per source is measured (:class:`Sources`).
-
-The draft model is a source too (:mod:`duo_vllm.vllm.model_source`), but its
-drafts come from the actor in one call a step, planned by the controller; the
-others are *free*: they cost no draft-model time, run in the verdict's lookup
-mode too, and their tails are cut to what pays for its verification. A new
-free source is one module with a :class:`DraftSource` class decorated with
-:func:`register`, imported in :mod:`duo_vllm.sources` (see docs/design.md).
+Each proposes a row a draft (:class:`Proposal`), scored against what the target then
+produced, served or not. Besides the draft model (:mod:`duo_vllm.vllm.model_source`)
+they are *free*: a new one is a :class:`DraftSource` class decorated with :func:`register`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from duo_vllm.control.goodput import regime
@@ -42,8 +33,7 @@ class DraftSource(Protocol):
         """Request ``key`` joins the batch."""
 
     def draft(self, key, context, k: int, reg: str) -> Proposal:
-        """Up to ``k`` tokens to follow ``context`` (numpy int32), with their α in
-        regime ``reg`` (``"greedy"``/``"sampled"``)."""
+        """Up to ``k`` tokens to follow ``context`` (int32), with their α in regime ``reg``."""
 
     def accept(self, key, reg: str, proposal: Proposal, accepted: int, judged: int) -> None:
         """``accepted`` of the ``judged`` first tokens of ``proposal`` matched the target."""
@@ -62,9 +52,8 @@ SOURCES: dict[str, type] = {}  # name -> class: the free sources, in registratio
 
 
 def register(name: str):
-    """Class decorator: a free source named ``name``. It is built as
-    ``cls.from_config(config)`` (else ``cls()``), where ``cls.enabled(config)`` (if
-    defined) allows."""
+    """Class decorator: a free source named ``name``, built as ``cls.from_config(config)``
+    (else ``cls()``) where ``cls.enabled(config)`` (if defined) allows."""
     def add(cls):
         cls.name = name
         SOURCES[name] = cls
@@ -79,21 +68,13 @@ def free_sources(config) -> list[DraftSource]:
 
 
 def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if int(x) != int(y):
-            break
-        n += 1
-    return n
+    """Length of the longest common prefix of two token sequences."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if int(x) != int(y)),
+                min(len(a), len(b)))
 
 
 def score(draft, produced) -> tuple[int, int]:
-    """(accepted, judged) of ``draft`` against the tokens the target ``produced`` after it.
-
-    The target produced its accepted draft tokens plus one of its own, so a
-    draft is judged only as far as ``produced`` reaches: one that matches all of
-    it had no rejection observed (censored), one that differs was rejected there.
-    """
+    """(accepted, judged) of ``draft`` against the tokens the target ``produced`` after it."""
     judged = min(len(draft), len(produced))
     return min(common_prefix(draft, produced), judged), judged
 
@@ -107,20 +88,14 @@ class _Step:
     tokens: list  # the tokens served
 
 
-@dataclass
-class SourceStats:
-    served: dict = field(default_factory=dict)  # source -> tokens served
-    accepted: dict = field(default_factory=dict)  # source -> of those, accepted
-
-
 class Sources:
-    """The model and the free sources of a step: each request's acceptance per source
-    (``begin``/``accept``/``end``), the free sources' proposals, what was served."""
+    """The model and the free sources: their proposals, scores, and what was served."""
 
     def __init__(self, model: DraftSource, free: list[DraftSource]):
         self.model, self.free = model, list(free)
         self.by_name = {s.name: s for s in [model, *self.free]}
-        self.stats = SourceStats({n: 0 for n in self.by_name}, {n: 0 for n in self.by_name})
+        self.served = {n: 0 for n in self.by_name}  # source -> tokens served
+        self.accepted = {n: 0 for n in self.by_name}  # source -> of those, accepted
         self._last: dict = {}  # request key -> _Step
         self._keys: set = set()  # the requests of the last step
 
@@ -143,8 +118,8 @@ class Sources:
             for name, prop in p.proposals.items():
                 self.by_name[name].accept(key, p.reg, prop, *score(prop.tokens, produced))
             if p.served is not None:
-                self.stats.served[p.served] += len(p.tokens)
-                self.stats.accepted[p.served] += score(p.tokens, produced)[0]
+                self.served[p.served] += len(p.tokens)
+                self.accepted[p.served] += score(p.tokens, produced)[0]
 
     def propose(self, keys, contexts, caps, temps) -> list[list[Proposal]]:
         """Each row's proposals of the free sources, in registration order."""
@@ -153,8 +128,7 @@ class Sources:
 
     def remember(self, key, start: int, temperature: float, proposals, served: str | None,
                  tokens: list) -> None:
-        """What each source proposed for ``key`` at context length ``start``, and which
-        ``served`` source's ``tokens`` went to vLLM."""
+        """What each source proposed for ``key`` at context length ``start``; what was served."""
         kept = {p.source: p for p in proposals if p.tokens}
         if kept:
             self._last[key] = _Step(start, regime(temperature), kept,
@@ -163,7 +137,7 @@ class Sources:
     def summary(self) -> dict:
         out = {}
         for name, s in self.by_name.items():
-            out[f"{name}_tokens_served"] = self.stats.served[name]
-            out[f"{name}_tokens_accepted"] = self.stats.accepted[name]
+            out[f"{name}_tokens_served"] = self.served[name]
+            out[f"{name}_tokens_accepted"] = self.accepted[name]
             out.update(s.summary())
         return out

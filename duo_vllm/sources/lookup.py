@@ -1,16 +1,7 @@
 """Free draft tokens: copy what followed the context's last n-gram earlier on.
 
-RAG answers quote their passages, summaries their document, code edits their
-code. Where the last few tokens of a request's context (prompt plus output)
-occurred before, what followed them then is a draft that costs no draft-model
-time: :func:`find_continuation`. It is a few numpy passes over the candidate
-positions, not vLLM's numba matcher (``ngram_proposer``): numba's objects in
-``sys.modules`` break vLLM's CPU kernel-override scan
-(``triton_utils.dispatcher._rebind_kernels``) when an engine starts later in
-the same process.
-
-A free draft source (:mod:`duo_vllm.sources.base`): its acceptance is kept per
-request and per the length of the match a copy follows (:class:`MatchAcceptance`).
+Numpy, not vLLM's numba ``ngram_proposer``: numba's objects in ``sys.modules``
+break vLLM's CPU kernel-override scan when an engine starts later in the process.
 """
 
 from __future__ import annotations
@@ -21,11 +12,9 @@ from duo_vllm.control.goodput import Acceptance
 from duo_vllm.control.verdict import LOOKUP
 from duo_vllm.sources.base import Proposal, register
 
-# a lookup draft's acceptance is kept per class of the length of the match it follows:
-# a match of n tokens counts in the last class <= n
+# a lookup draft's acceptance is kept per class of the length of the match it follows
 MATCH_CLASSES = (1, 2, 3, 4, 6)
-# before any measurement, per class (a draft model's first guess is PRIOR_ALPHA): a
-# longer match is likelier to be copied on correctly
+# before any measurement, per class: a longer match is likelier to be copied on correctly
 LOOKUP_PRIOR = {1: {"greedy": 0.3, "sampled": 0.2}, 2: {"greedy": 0.4, "sampled": 0.3},
                 3: {"greedy": 0.55, "sampled": 0.4}, 4: {"greedy": 0.65, "sampled": 0.5},
                 6: {"greedy": 0.8, "sampled": 0.6}}
@@ -44,19 +33,12 @@ def find_continuation(context: np.ndarray, k: int, min_n: int, max_n: int) -> np
 def find_match(context: np.ndarray, k: int, min_n: int, max_n: int) -> tuple[np.ndarray, int]:
     """Up to ``k`` tokens that followed the longest earlier occurrence (``min_n`` to
     ``max_n`` tokens, the most recent of equals) of the context's suffix, and that
-    occurrence's length; empty and 0 when there is none.
-
-    A continuation that reaches the end of the context repeats with the
-    period of the match (``size - 1 - e``), as a repetition would go on.
-
-    Candidates are the positions ``e`` where an occurrence may end: first those
-    holding the last token, then, for n = 1, 2, ..., those whose token n back
-    also matches. One pass over the context, then passes over the survivors.
-    """
+    occurrence's length; empty and 0 when there is none."""
     size = len(context)
     if k <= 0 or size < min_n + 1:
         return context[:0], 0
-    ends = np.flatnonzero(context[:-1] == context[-1])  # never the suffix itself
+    # where an occurrence may end, narrowed as the match grows back (never the suffix itself)
+    ends = np.flatnonzero(context[:-1] == context[-1])
     n = 1
     while n < max_n and ends.size:
         room = ends[ends >= n]  # an occurrence cannot reach back before the start
@@ -68,27 +50,18 @@ def find_match(context: np.ndarray, k: int, min_n: int, max_n: int) -> tuple[np.
         return context[:0], 0
     e = int(ends[-1])
     # a continuation that runs into the context's end repeats with the match's period
-    # ("7 7 7" goes on as 7 7 ..., "1 2 1 2" as 1 2 1 2 ...)
     return context[e + 1 + np.arange(k) % (size - 1 - e)], n
 
 
 class MatchAcceptance:
-    """Lookup acceptance per request, regime and class of match length.
-
-    What follows an 8-token match is copied text far more often than what
-    follows a 2-token one (the priors' figures), so one α per request would
-    serve weak matches too deep and strong ones too short. Each class is an
-    :class:`~duo_vllm.control.goodput.Acceptance` of its own, with its own prior.
-    """
+    """Lookup acceptance per request, regime and class of match length (its own prior)."""
 
     def __init__(self):
         self.by_class = {c: Acceptance(prior=LOOKUP_PRIOR[c]) for c in MATCH_CLASSES}
 
     def observe(self, key, reg: str, match: int, accepted: int, proposed: int) -> None:
-        """A copy that followed a ``match``-token match: its token t (0-based) was tried
-        after a match of ``match + t`` tokens, as far as the target judged it. Each
-        class gets the copy's trials in one observation (its counts decay once a
-        copy, as a draft model's do, not once a token)."""
+        """A copy after a ``match``-token match: its token t was tried after ``match + t``.
+        Each class gets one observation a copy (its counts decay once a copy)."""
         trials: dict[int, list[int]] = {}  # class -> [accepted, judged]
         for t in range(min(accepted + 1, proposed)):
             c = trials.setdefault(match_class(match + t), [0, 0])
@@ -101,8 +74,8 @@ class MatchAcceptance:
         return self.by_class[match_class(match)].alpha(key, reg)
 
     def alphas(self, key, reg: str, match: int, n: int) -> tuple[float, ...]:
-        """The α of each of the ``n`` tokens of a copy after a ``match``-token match,
-        each given the ones before it accepted: its match has grown by then."""
+        """The α of each of the ``n`` tokens of a copy after a ``match``-token match
+        (given those before accepted, its match has grown)."""
         return tuple(self.alpha(key, reg, match + t) for t in range(n))
 
     def forget(self, key) -> None:
@@ -124,7 +97,7 @@ class ContextLookup:
 
     @classmethod
     def from_config(cls, config):
-        return cls(config.lookup_min, config.lookup_max)
+        return cls()
 
     @staticmethod
     def enabled(config) -> bool:

@@ -1,9 +1,6 @@
-"""Start-up checks: the vLLM versions and the model runner DuoProposer is written for.
-
-:func:`check_vllm` runs first thing in ``DuoProposer.__init__`` on every rank: a
-warning for an untested vLLM, and :class:`UnsupportedVllmError` (vLLM's start-up stops,
-saying what to change) off vLLM's V1 model runner, the one that runs custom proposers.
-"""
+"""Start-up checks, first thing in ``DuoProposer.__init__`` on every rank: a warning for an
+untested vLLM, and :class:`UnsupportedVllmError` (vLLM's start-up stops, saying what to
+change) off vLLM's V1 model runner, the one that runs custom proposers."""
 
 from __future__ import annotations
 
@@ -31,6 +28,15 @@ def qualname(cls) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def gpu_model_runner():
+    """vLLM's V1 ``GPUModelRunner`` (the CPU runner subclasses it), or None."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return None
+    return GPUModelRunner
+
+
 def vllm_release(version: str | None) -> tuple[int, int] | None:
     """(major, minor) of a vLLM version string ("0.32.0+cpu" -> (0, 32)); None if unparsable."""
     m = re.match(r"\s*v?(\d+)\.(\d+)", version or "")
@@ -49,9 +55,8 @@ def check_vllm_version(version: str | None) -> bool:
 
 
 def constructing_runner(max_depth: int = 16):
-    """The ``*ModelRunner`` bound to ``self`` in a calling frame, else None: vLLM builds
-    the custom proposer in its runner's constructor, so from DuoProposer.__init__ this
-    is the runner the proposer will serve."""
+    """The ``*ModelRunner`` bound to ``self`` in a calling frame, else None: vLLM builds the
+    custom proposer in its runner's constructor."""
     frame = sys._getframe(1)
     for _ in range(max_depth):
         if frame is None:
@@ -71,20 +76,11 @@ def _v2_message(what: str, fix: str = "") -> str:
 
 
 def check_model_runner(runner=None, use_v2: bool | None = None) -> None:
-    """Raise :class:`UnsupportedVllmError` unless DuoProposer runs on V1's
-    ``GPUModelRunner`` (or a subclass, as the CPU runner), with ``_update_states``.
-
-    ``runner``: the runner building the proposer; ``use_v2``:
-    ``VllmConfig.use_v2_model_runner`` (None: unknown, either).
-    """
+    """Raise :class:`UnsupportedVllmError` unless ``runner`` (None: unknown) is V1's
+    ``GPUModelRunner`` or a subclass, with ``_update_states``, and ``use_v2`` is not set."""
     if use_v2:
         raise UnsupportedVllmError(_v2_message("vLLM's config selects Model Runner V2"))
-    try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except ImportError as e:
-        raise UnsupportedVllmError(
-            f"DuoProposer needs vLLM's V1 model runner ({V1_RUNNER}), which this vLLM "
-            f"does not have ({e}). duo_vllm supports vLLM {supported_text()}") from e
+    GPUModelRunner = gpu_model_runner()  # noqa: N806 (vLLM's class)
     if not callable(getattr(GPUModelRunner, "_update_states", None)):
         raise UnsupportedVllmError(
             f"DuoProposer needs {V1_RUNNER}._update_states, which this vLLM does not "
@@ -101,9 +97,8 @@ def check_model_runner(runner=None, use_v2: bool | None = None) -> None:
 
 
 def check_vllm(vllm_config) -> None:
-    """Start-up checks, first thing in DuoProposer.__init__ on every rank: a warning for
-    a vLLM outside :data:`SUPPORTED_VLLM`, :class:`UnsupportedVllmError` (stops vLLM's
-    start-up) off V1's model runner. A config not of vLLM's own class is not checked."""
+    """The start-up checks (module docstring); a config not of vLLM's own class (a test's)
+    is not checked."""
     if not type(vllm_config).__module__.startswith("vllm."):
         return
     import vllm

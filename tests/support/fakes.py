@@ -2,7 +2,29 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
+
+from duo_vllm.control.serving import Hint
+from duo_vllm.control.verdict import LOOKUP
+from duo_vllm.sources.base import Proposal
+
+
+def hint_of(tokens, alpha_model: float, alpha_lookup, threshold: float) -> Hint:
+    """A drafter hint of one lookup draft."""
+    return Hint((Proposal(LOOKUP, list(tokens), alpha_lookup),), alpha_model, threshold)
+
+
+def wait_idle(worker, timeout: float = 10.0) -> bool:
+    """Block until a DraftWorker's pending pre-draft has run."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with worker._lock:
+            if worker._idle() and not worker._wake.is_set():
+                return True
+        time.sleep(0.002)
+    return False
 
 
 class FakeBackend:
