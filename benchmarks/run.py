@@ -411,6 +411,12 @@ def staggered(llm, prompts, shape, params, rep: int) -> dict:
 
 # --- the driver -------------------------------------------------------------------------------
 
+def _base_nests() -> bool:
+    """Does the DUO_BASE_SRC tree read tuning switches from a nested ``tuning`` mapping?"""
+    config = Path(os.environ.get("DUO_BASE_SRC", "")) / "duo_vllm" / "config.py"
+    return config.is_file() and "TUNING_OPTIONS" in config.read_text()
+
+
 def method_spec(name: str, target: str, draft: str | None = None, k: int = K,
                 lookup_k: int | None = None) -> dict | None:
     """The method's speculative config, with ``k`` tokens per step in place of ``K``.
@@ -434,7 +440,7 @@ def method_spec(name: str, target: str, draft: str | None = None, k: int = K,
             duo["draft_model"] = draft
         if duo.get("lookup", True):
             duo["max_draft_len"] = k
-        if not m.get("base"):  # the base engine's code may read its options flat
+        if not m.get("base") or _base_nests():  # a pre-refactor base reads them flat
             duo = nest_tuning(duo)
         return speculative_config(lookup_k if duo.get("lookup", True) else k, duo)
     if m["spec"] == NGRAM:

@@ -181,7 +181,8 @@ class DuoDrafter(Predrafter):
                              tree, branch, catch_up, background, left[row]))
         return rows
 
-    def _plan_step(self, batch: int, hits: list[_Row], misses: list[_Row], cost: TargetCost, hints):
+    def _plan_step(self, batch: int, hits: list[_Row], misses: list[_Row], cost: TargetCost,
+                   hints):
         """Tokens served per hit; the misses drafted now, and the depth drafted for each."""
         policy = self.policy
         if policy.budget is not None:  # fixed: every hit in full, every miss to the budget

@@ -34,9 +34,9 @@ def ensure_ray(cfg: DuoConfig):
             os.sched_setaffinity(0, allowed_cpus())
         ray.init(**kwargs)
     finally:
-        os.sched_setaffinity(0, before)
         if metrics_dir is not None:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        os.sched_setaffinity(0, before)
     return ray
 
 

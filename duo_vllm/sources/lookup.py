@@ -95,10 +95,6 @@ class ContextLookup:
         self.acceptance = MatchAcceptance()
         self.rows = 0  # rows with a match
 
-    @classmethod
-    def from_config(cls, config):
-        return cls()
-
     @staticmethod
     def enabled(config) -> bool:
         return bool(config.lookup)

