@@ -166,12 +166,13 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
          ("requests", "predraft_hits", "predraft_lookups", "steps", "returned_tokens",
           "floor_steps", "no_slot", "probes", "short_lived", "gate_plain_steps", "gate_no_draft_steps",
           "capped_steps", "lookup_rows",
-          "propose_steps", "propose_total_s",
+          "propose_steps", "propose_total_s", "new_request_calls", "new_request_total_s",
+          "pause_waits", "pause_wait_s",
          "lookup_tokens_served", "lookup_tokens_accepted", "model_tokens_served",
          "model_tokens_accepted", "busy_s", "prefill_tokens", "predraft_tokens", "sync_tokens",
           "sync_s", "sync_calls", "propose_calls", "lookup_misses", "lent_steps",
           "lend_switches", "matmul_remakes", "matmul_remakes_skipped", "drawn_tokens",
-          "lent_prefills", "hedged_roots",
+          "lent_prefills", "side_prefills", "hedged_roots",
           "deep_hits", "extended",
           "cache_hits", "cache_tokens")}
     lengths = {int(n): c - before.get("chosen_lengths", {}).get(n, 0)
@@ -211,6 +212,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         # lent prompt steps left on matmuls made for fewer threads (a remake would not pay)
         "matmul_remakes_skipped": d["matmul_remakes_skipped"],
         "lent_prefills": d["lent_prefills"],  # long prompts prefilled on every core
+        "side_prefills": d["side_prefills"],  # prompts the draft prefilled beside the target
         # sequences restored from the draft's prompt cache, the prefill tokens that spared
         "cache_hits": d["cache_hits"], "cache_tokens": d["cache_tokens"],
         "drawn_tokens": d["drawn_tokens"],  # served with their q (sampled drafts)
@@ -228,6 +230,12 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         # vLLM's loop inside propose() (all of it, the wait for drafts included), per step
         "propose_ms_per_step": (1e3 * d["propose_total_s"] / d["propose_steps"]
                                 if d["propose_steps"] else None),
+        # vLLM's loop in the new-request hook (before a prefill), per call
+        "new_request_ms": (1e3 * d["new_request_total_s"] / d["new_request_calls"]
+                           if d["new_request_calls"] else None),
+        # of it, the lend's wait for the draft's decode call under way, per waiting lend
+        "pause_wait_ms": (1e3 * d["pause_wait_s"] / d["pause_waits"]
+                          if d["pause_waits"] else None), "pause_waits": d["pause_waits"],
         "draft_tokens_evaluated": {k: d[f"{k}_tokens"] for k in ("prefill", "predraft", "sync")},
         "draft_token_ms": after.get("draft_token_ms"),
         "target_step_ms": after.get("target_step_ms"),
@@ -242,7 +250,7 @@ def open_engine(req: dict):
 
     llm = LLM(model=req["target"], max_model_len=2048, seed=0, dtype=req["dtype"],
               speculative_config=req["spec"], disable_log_stats=False,
-              enforce_eager=req["eager"])
+              enforce_eager=req["eager"], enable_prefix_caching=req.get("prefix_cache", True))
     is_duo = bool(req["spec"]) and req["spec"].get("model") == "duo_vllm.DuoProposer"
     llm.generate(req["prompts"][:1], _params(req, 0.0), use_tqdm=False)  # warm-up
     return llm, is_duo
@@ -480,7 +488,8 @@ def engine_request(name: str, target: str, prompts, tasks, args, workdir: Path,
     req = {"name": name, "target": target, "prompts": prompts, "tasks": tasks,
            "spec": method_spec(base_method(name), target, draft, args.k, args.lookup_k),
            "max_tokens": args.max_tokens, "dtype": args.dtype, "repeats": args.repeats,
-           "shapes": shapes_of(args), "eager": args.eager, "timeline": args.timeline}
+           "shapes": shapes_of(args), "eager": args.eager, "timeline": args.timeline,
+           "prefix_cache": not args.no_prefix_cache}
     req_path = workdir / f"{name}.req.json"
     req_path.write_text(json.dumps(req))
     # interleaved engines are all alive at once: a smaller KV cache each
@@ -591,9 +600,9 @@ def summarise(results: dict) -> dict:
                     "lent_step_ms_by_batch", "lent_verify_ms_by_batch",
                     "acceptance", "propose_wait_ms", "lock_wait_ms", "actor_propose_ms", "sync_calls",
                     "lookup_misses", "sync_ms_per_draft_step", "gate_plain_steps", "gate_no_draft_steps",
-                    "gate_tokens_per_s", "draft_busy_s", "propose_ms_per_step", "sources", "lookup_rows", "source_alpha",
+                    "gate_tokens_per_s", "draft_busy_s", "propose_ms_per_step", "new_request_ms", "pause_wait_ms", "pause_waits", "sources", "lookup_rows", "source_alpha",
                     "lent_steps", "lend_switches", "matmul_remakes", "matmul_remakes_skipped",
-                    "lent_prefills", "drawn_tokens",
+                    "lent_prefills", "side_prefills", "drawn_tokens",
                     "gate_log", "capped_steps", "predraft_misses", "hedged_roots", "deep_hits",
                     "extended", "cache_hits",
                     "cache_tokens")}
@@ -646,6 +655,8 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
              + (f"{meta['interleave']} interleaved rounds" if meta.get("interleave")
                 else f"{meta['repeats']} repeat(s)")
              + (", eager engines (no torch.compile)" if meta["eager"] else "")
+             + (", vLLM's prefix cache off (every prompt prefilled whole)"
+                if meta.get("prefix_cache") is False else "")
              + "; tok/s are medians (spread min-max), speedups are ratios of medians from "
              "this run.", ""]
     for key, methods in summary.items():
@@ -692,7 +703,10 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                          f"steps the gate left without the draft model "
                          f"{c.get('gate_plain_steps')} (of them with no lookups either "
                          f"{c.get('gate_no_draft_steps')}), propose() "
-                         f"{_f(c.get('propose_ms_per_step'), '{:.1f}')} ms/step, draft core busy "
+                         f"{_f(c.get('propose_ms_per_step'), '{:.1f}')} ms/step, new-request "
+                         f"hook {_f(c.get('new_request_ms'), '{:.1f}')} ms/call (lends waiting "
+                         f"for the draft's call {c.get('pause_waits')}, "
+                         f"{_f(c.get('pause_wait_ms'), '{:.1f}')} ms each), draft core busy "
                          f"{_f(c.get('draft_busy_s'), '{:.1f}')} s (measured "
                          f"tokens/s by batch bucket, per request times the bucket's "
                          f"smallest batch {_rates(c.get('gate_tokens_per_s'))}), "
@@ -719,7 +733,8 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                             f"({c.get('lend_switches')} switches, oneDNN matmuls remade "
                             f"{c.get('matmul_remakes')} times, not remade for a prompt "
                             f"{c.get('matmul_remakes_skipped')}; prompts prefilled on every "
-                            f"core {c.get('lent_prefills')})" if c.get("lent_steps") else ""))
+                            f"core {c.get('lent_prefills')}, beside the draft's prefill "
+                            f"{c.get('side_prefills')})" if c.get("lent_steps") else ""))
             src = c.get("sources") or {}
             if src.get("lookup", {}).get("served") or c.get("lookup_rows"):
                 lines.append(f"- {name} sources: " + ", ".join(
@@ -844,6 +859,9 @@ def main(argv=None) -> int:
                     help="smoke test: 1 prompt per task, 32 tokens, batch 1 and 4, 1 repeat, "
                     "eager engines (no torch.compile: faster start-up, slower steps)")
     ap.add_argument("--eager", action="store_true", help="vLLM's enforce_eager")
+    ap.add_argument("--no-prefix-cache", action="store_true",
+                    help="vLLM's prefix cache off: a prompt repeated in later rounds is "
+                    "prefilled whole again (time to first token of a new prompt)")
     ap.add_argument("--timeline", action="store_true",
                     help="batch shapes as a timed loop of engine steps (each step's seconds, "
                          "requests and tokens in engines/<method>.out.json)")
@@ -946,7 +964,7 @@ def main(argv=None) -> int:
             "draft_sha256": file_sha256(draft), **provenance, "prompts": len(prompts),
             "per_task": args.per_task, "max_tokens": args.max_tokens, "repeats": args.repeats,
             "shapes": shapes_of(args), "k": args.k, "lookup_k": args.lookup_k, "dtype": args.dtype, "eager": args.eager,
-            "interleave": args.interleave}
+            "prefix_cache": not args.no_prefix_cache, "interleave": args.interleave}
     summary = summarise(results)
     table = markdown(summary, results, meta)
     if args.interleave:

@@ -98,6 +98,7 @@ class DraftWorker:
         self._contexts = DeltaReceiver()  # the contexts of the last step, per request
         self._lock_wait_s, self._proposes = 0.0, 0  # steps' waits for a decode under way
         self._handler_s = 0.0  # time inside propose(): the part of vLLM's wait spent here
+        self._pause_waits, self._pause_wait_s = 0, 0.0  # lends' waits for a decode under way
         self._wake = threading.Event()
         self._closed = False
         self._deadline = None
@@ -217,8 +218,11 @@ class DraftWorker:
             self._prompts, self._stash = [], None
             self._paused = True
         if wait:
+            t0 = time.perf_counter()
             with self._lock:  # the background thread holds it for its decode calls
                 pass
+            self._pause_waits += 1
+            self._pause_wait_s += time.perf_counter() - t0
 
     def _interrupted(self) -> bool:
         """A step is waiting for the drafter, or has left newer contexts."""
@@ -263,6 +267,8 @@ class DraftWorker:
         out["draft_prefill_token_ms"] = 1e3 * self.drafter.prefill_s.get(float("nan"))
         out["lock_wait_ms"] = 1e3 * self._lock_wait_s / max(1, self._proposes)
         out["actor_propose_ms"] = 1e3 * self._handler_s / max(1, self._proposes)
+        out["pause_waits"] = self._pause_waits  # a lend waiting for the draft's cores
+        out["pause_wait_s"] = self._pause_wait_s
         out["target_step_ms"] = 1e3 * (self.drafter.target_step_s or float("nan"))
         out["verify_token_ms"] = 1e3 * (self.drafter.per_token_s or float("nan"))
         out["draft_call_ms_by_width"] = {w: 1e3 * s for w, s in

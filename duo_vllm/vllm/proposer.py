@@ -95,6 +95,7 @@ class DuoProposer(DraftSide, CoreLending):
         self._errors = 0  # propose() calls that raised: the step went without drafts
         self._calls, self._wait_s = 0, 0.0  # time vLLM's loop spent waiting for drafts
         self._steps, self._step_s = 0, 0.0  # every propose() call, and the time it took
+        self._hooks, self._hook_s = 0, 0.0  # every on_new_requests() call, and its time
         self._reporter = Reporter(self._local_stats, self._client, self._worker, logger)
         self._prefetch = False
         self._passive = False  # a rank whose drafts vLLM does not use
@@ -126,6 +127,7 @@ class DuoProposer(DraftSide, CoreLending):
         self.q_dropped_steps = 0  # steps whose q was over Q_MAX_BYTES (verified without)
         self.unfit_steps = 0  # steps after which vLLM would not call propose() (a long row)
         self.lent_prefills = 0  # prefill steps lent rather than shared (lend_prefill)
+        self.side_prefills = 0  # prefill steps the draft shared, prefilling beside
         self.seeded_rows = 0  # rows decoded without drafts: seeded sampled requests
         self._window = pool_window(cfg.draft_window, cfg.n_ctx)  # what the draft sees
 
@@ -339,6 +341,14 @@ class DuoProposer(DraftSide, CoreLending):
     def on_new_requests(self, new_reqs, batch: int | None = None) -> None:
         """vLLM is about to prefill ``new_reqs`` in a step of ``batch`` requests: the draft
         prefills them beside it, where the verdict drafts at that batch size."""
+        t0 = time.perf_counter()
+        try:
+            self._on_new_requests(new_reqs, batch)
+        finally:  # in vLLM's loop, before the prefill: part of the first token's time
+            self._hooks += 1
+            self._hook_s += time.perf_counter() - t0
+
+    def _on_new_requests(self, new_reqs, batch: int | None) -> None:
         self._new_requests = True
         if self._passive or not self._prefetch or self._failed or self._held:
             return
@@ -361,6 +371,7 @@ class DuoProposer(DraftSide, CoreLending):
             return
         drafter = self._client if self._client is not None else self._worker
         if drafter.prefetch(prompts):  # the draft prefills them beside the target's prefill
+            self.side_prefills += 1
             self._lend(False)
 
     def _will_draft(self, new_reqs, batch: int | None) -> bool:
@@ -425,6 +436,8 @@ class DuoProposer(DraftSide, CoreLending):
             "propose_errors": self._errors,
             "propose_steps": self._steps,
             "propose_total_s": self._step_s,
+            "new_request_calls": self._hooks,
+            "new_request_total_s": self._hook_s,
             "drawn_tokens": self.drawn_tokens,  # served with their q (sampled requests)
             "q_dropped_steps": self.q_dropped_steps,
             "unfit_steps": self.unfit_steps,
@@ -436,6 +449,7 @@ class DuoProposer(DraftSide, CoreLending):
             "lend_switches": self._threads.switches if self._threads else 0,
             "lent_steps": self._threads.lent_steps if self._threads else 0,
             "lent_prefills": self.lent_prefills,
+            "side_prefills": self.side_prefills,
             "seeded_rows": self.seeded_rows,
             "matmul_remakes": self._primitives.refreshes if self._primitives else 0,
             "matmul_remakes_skipped": self._primitives.skipped if self._primitives else 0,
