@@ -8,6 +8,9 @@ one after another, more than most changes are worth. In this mode every
 method's engine is started once and kept warm, all of them alive at once,
 and each round runs every shape on every engine in turn (the engines' order
 rotates from round to round; every engine sees the shapes in the same order).
+A warm-up round that is not kept comes first: an engine's first run of a batch
+shape builds what that shape needs (oneDNN's matmuls for new row counts) and
+took 20-35% longer than the rounds after it, in every engine.
 A method's speed in a shape is then the median over rounds of its ratio to
 the baseline *in the same round*, with the spread of those ratios: drift
 between rounds cancels out of each ratio. ``--control M`` adds a second
@@ -30,6 +33,7 @@ from .run import (METHODS, Unavailable, base_method, engine_request, shape_key, 
 # vLLM's engine core spins for about a second after its last step: the next engine's
 # measurement starts after it
 SETTLE_S = 1.5
+WARM_UP = -1  # the warm-up round's number
 START_TIMEOUT_S = 900
 
 
@@ -111,6 +115,12 @@ def run_interleaved(methods: list[str], target: str, prompts, tasks, args, work:
             log(f"[interleave] {name}: ready")
         shapes = shapes_of(args)
         live = list(engines)
+        t0 = time.time()
+        for i in range(len(shapes)):  # the warm-up round (module docstring): not kept
+            for name in live:
+                time.sleep(SETTLE_S)
+                engines[name].measure(i, WARM_UP, args.method_timeout)
+        log(f"[interleave] warm-up round in {time.time() - t0:.0f}s")
         for rnd in range(args.interleave):
             order = live[rnd % len(live):] + live[:rnd % len(live)]
             t0 = time.time()
@@ -187,9 +197,9 @@ def paired(results: dict, baseline: str) -> dict:
 
 def markdown(results: dict, rounds: int) -> str:
     """A table per baseline: every method's median per-round ratio (min-max)."""
-    lines = [f"**Interleaved: {rounds} rounds**, the median of per-round ratios to the "
-             "baseline (min-max over rounds); latency and time to first token: lower is "
-             "better.", ""]
+    lines = [f"**Interleaved: {rounds} rounds** after a warm-up round, the median of "
+             "per-round ratios to the baseline (min-max over rounds); latency and time to "
+             "first token: lower is better.", ""]
     for baseline in ("plain-all", "plain-1core"):
         table = paired(results, baseline)
         if not table:

@@ -652,7 +652,8 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
     lines = [f"Machine: {m['cpu_model']}, {m['cores']} cores, {m.get('gpu') or 'no GPU'}. "
              f"{meta['pair_note']}. {meta['prompts']} Spec-Bench prompts "
              f"({meta['per_task']} per task), {meta['max_tokens']} new tokens, "
-             + (f"{meta['interleave']} interleaved rounds" if meta.get("interleave")
+             + (f"{meta['interleave']} interleaved rounds after a warm-up round"
+                if meta.get("interleave")
                 else f"{meta['repeats']} repeat(s)")
              + (", eager engines (no torch.compile)" if meta["eager"] else "")
              + (", vLLM's prefix cache off (every prompt prefilled whole)"
@@ -711,7 +712,7 @@ def markdown(summary: dict, results: dict, meta: dict) -> str:
                          f"tokens/s by batch bucket, per request times the bucket's "
                          f"smallest batch {_rates(c.get('gate_tokens_per_s'))}), "
                          f"rows without a slot {c['no_slot']}, probes {c['probes']}, rows "
-                         f"not caught up (they would end first) {c.get('short_lived', 0)}; "
+                         f"not pre-drafted (they would end first) {c.get('short_lived', 0)}; "
                          f"measured: draft call ms by width {{{widths}}}, target step ms "
                          f"{{{steps}}} (lent {{{lent}}}), verify {_f(c.get('verify_token_ms'), '{:.1f}')} ms/token, "
                          f"acceptance {c['acceptance']}; vLLM waited "
@@ -895,8 +896,9 @@ def main(argv=None) -> int:
                     "(default: the pair's draft)")
     ap.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                     help="interleaved engines (benchmarks/interleave.py): every engine warm "
-                    "at once, each round every shape on each engine in turn; ratios are "
-                    "medians of per-round ratios. Replaces --repeats")
+                    "at once, a warm-up round (not kept), then each round every shape on each "
+                    "engine in turn; ratios are medians of per-round ratios. Replaces "
+                    "--repeats")
     ap.add_argument("--control", choices=list(METHODS),
                     help="with --interleave: a second engine of this method (METHOD~2), "
                     "whose ratio to the first is the run's resolution")

@@ -50,7 +50,7 @@ class DraftStats:
     floor_steps: int = 0  # steps the controller chose plain decoding for every request
     no_slot: int = 0  # request-steps left to plain decoding: every draft slot was in use
     probes: int = 0  # drafts made only to re-measure acceptance
-    short_lived: int = 0  # request-steps not caught up: it would end before the draft did
+    short_lived: int = 0  # request-steps not pre-drafted: the request ends first
     lookup_predrafts: int = 0  # pre-drafts planned from the end of a served lookup draft
     lookup_misses: int = 0  # pre-draft misses served their lookup draft, no draft on the spot
     hedged_roots: int = 0  # pre-drafts rooted where a served lookup copy parts from the model

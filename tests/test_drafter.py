@@ -332,6 +332,26 @@ def test_a_request_that_ends_before_the_draft_could_catch_up_is_left_to_the_targ
     assert len(d.jobs) == 1
 
 
+
+def test_a_request_whose_last_step_is_under_way_is_not_pre_drafted():
+    """A request whose step under way reaches its max_tokens if it accepts the draft
+    (the pre-draft's root) ends there: the draft side goes idle instead, so the next
+    request's prefill finds the draft's core free."""
+    def first_step(remaining):
+        be, d = make(auto())
+        d.draft_time = FixedDraftTime(0.010)
+        d.propose(StepRequest([ctx(1, 2)], [4], 0.05, per_token_s=0.002,
+                              remaining=remaining))
+        return d
+
+    d = first_step(None)
+    served = len(d.last_draft[0][1])
+    assert len(d.jobs) == 1 and d.stats.short_lived == 0
+    d = first_step([served + 1])  # the served draft, accepted, and the bonus: its end
+    assert d.jobs == [] and d.stats.short_lived == 1
+    d = first_step([served + 2])  # one token more to go: the next step comes
+    assert len(d.jobs) == 1 and d.stats.short_lived == 0
+
 def test_controller_serves_more_to_requests_that_accept_more():
     be, d = make(auto(), seqs=2)
     d.draft_time = FixedDraftTime(0.002)

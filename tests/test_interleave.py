@@ -50,3 +50,41 @@ def test_rounds_merge_into_one_shape():
     assert [r["repeat"] for r in shapes[0]["rows"]] == [0, 1]
     assert shapes[0]["spec"] == {"drafts": 4, "accepted": 6}
     assert shapes[0]["duo"] == {"x": 1}  # the last round that had draft-side counters
+
+
+def test_a_warm_up_round_runs_first_and_is_not_kept(monkeypatch):
+    import types
+
+    from benchmarks import interleave
+
+    calls = []
+
+    class FakeEngine:
+        def __init__(self, name, *args):
+            self.name = name
+
+        def wait_ready(self):
+            return None
+
+        def measure(self, shape, rnd, timeout):
+            calls.append((self.name, shape, rnd))
+            return {"batch": 4, "temperature": 0.0, "rows": [{"repeat": rnd}],
+                    "spec": {"drafts": 0}, "duo": None}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(interleave, "Engine", FakeEngine)
+    monkeypatch.setattr(interleave, "engine_request", lambda name, *a: (None, None, {}, None))
+    monkeypatch.setattr(interleave, "shapes_of", lambda args: [{}, {}])
+    monkeypatch.setattr(interleave, "SETTLE_S", 0.0)
+    args = types.SimpleNamespace(interleave=2, method_timeout=1)
+    results = interleave.run_interleaved(["plain-all", "duo-lend"], "t", [], [], args, None,
+                                         None, log=lambda *a: None)
+    warm = [c for c in calls if c[2] == interleave.WARM_UP]
+    assert calls[:len(warm)] == warm  # before any kept round
+    assert sorted(warm) == sorted((n, s, interleave.WARM_UP) for n in ("plain-all", "duo-lend")
+                                  for s in (0, 1))
+    for name in ("plain-all", "duo-lend"):
+        kept = [row["repeat"] for shape in results[name]["shapes"] for row in shape["rows"]]
+        assert sorted(kept) == [0, 0, 1, 1]  # two shapes, two rounds; no warm-up row

@@ -118,6 +118,13 @@ def predraft_deadline(returned_at: float, expected_step_s: float | None,
     return returned_at + expected_step_s
 
 
+def ends_at_root(root: int, remaining: int | None) -> bool:
+    """Does a request with ``remaining`` tokens left to its ``max_tokens`` end in the step
+    under way, where that step accepts ``root`` draft tokens and so emits ``root + 1``? A
+    pre-draft from that root is then never used."""
+    return remaining is not None and root + 1 >= remaining
+
+
 def call_overruns(now: float, call_s: float, deadline: float | None) -> bool:
     """Is a decode call forecast at ``call_s`` not started? Where half of it would already
     end past the deadline, the next step waiting on it."""

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from duo_vllm.control.drafting import (
-    PRIOR_STEP_S, call_overruns, needs_prefill, predraft_catch_up, predraft_deadline,
-    prefill_chunk, prefills_prompts, probe_affordable, probe_due, prompt_depth,
+    PRIOR_STEP_S, call_overruns, ends_at_root, needs_prefill, predraft_catch_up,
+    predraft_deadline, prefill_chunk, prefills_prompts, probe_affordable, probe_due,
+    prompt_depth,
 )
 from duo_vllm.control.goodput import TargetCost, catch_up_pays, plan_predraft, regime
 from duo_vllm.draft.branching import Branch, Tree, branch_candidates, split_budget, top_candidates
@@ -76,6 +77,10 @@ class Predrafter(DraftSequences):
         if not policy.predrafts:
             return
         rows = [r for r in rows if len(r.ctx) + len(out[r.row]) + 2 < self.n_ctx]
+        ending = {r.row for r in rows if ends_at_root(p_served[r.row][0], r.remaining)}
+        if ending:  # their last step is under way: the draft side goes idle, not pre-drafts
+            self.stats.short_lived += len(ending)
+            rows = [r for r in rows if r.row not in ending]
         roots = [p_served[r.row] for r in rows]
         # the root: the context and the served draft, or a part of it
         prefixes = [np.concatenate([r.ctx, np.asarray(out[r.row][:root[0]], dtype=np.int32)])
