@@ -115,21 +115,17 @@ def run_interleaved(methods: list[str], target: str, prompts, tasks, args, work:
             log(f"[interleave] {name}: ready")
         shapes = shapes_of(args)
         live = list(engines)
-        t0 = time.time()
-        for i in range(len(shapes)):  # the warm-up round (module docstring): not kept
-            for name in live:
-                time.sleep(SETTLE_S)
-                engines[name].measure(i, WARM_UP, args.method_timeout)
-        log(f"[interleave] warm-up round in {time.time() - t0:.0f}s")
-        for rnd in range(args.interleave):
+        for rnd in (WARM_UP, *range(args.interleave)):  # the warm-up's rows are not kept
             order = live[rnd % len(live):] + live[:rnd % len(live)]
             t0 = time.time()
             for i in range(len(shapes)):
                 for name in order:
                     time.sleep(SETTLE_S)
-                    _merge(results[name]["shapes"], i,
-                           engines[name].measure(i, rnd, args.method_timeout))
-            log(f"[interleave] round {rnd + 1}/{args.interleave} in {time.time() - t0:.0f}s")
+                    got = engines[name].measure(i, rnd, args.method_timeout)
+                    if rnd != WARM_UP:
+                        _merge(results[name]["shapes"], i, got)
+            label = "warm-up round" if rnd == WARM_UP else f"round {rnd + 1}/{args.interleave}"
+            log(f"[interleave] {label} in {time.time() - t0:.0f}s")
     finally:
         for engine in engines.values():
             engine.close()

@@ -332,7 +332,6 @@ def test_a_request_that_ends_before_the_draft_could_catch_up_is_left_to_the_targ
     assert len(d.jobs) == 1
 
 
-
 def test_a_request_whose_last_step_is_under_way_is_not_pre_drafted():
     """A request whose step under way reaches its max_tokens if it accepts the draft
     (the pre-draft's root) ends there: the draft side goes idle instead, so the next
@@ -351,6 +350,7 @@ def test_a_request_whose_last_step_is_under_way_is_not_pre_drafted():
     assert d.jobs == [] and d.stats.short_lived == 1
     d = first_step([served + 2])  # one token more to go: the next step comes
     assert len(d.jobs) == 1 and d.stats.short_lived == 0
+
 
 def test_controller_serves_more_to_requests_that_accept_more():
     be, d = make(auto(), seqs=2)
