@@ -51,9 +51,13 @@ def test_quick_benchmark(tmp_path):
     duo4 = summary["batch4-t0"]["duo-full"]["controller"]
     assert {"chosen_lengths", "gate_plain_steps", "gate_tokens_per_s"} <= set(duo4)
     b1 = summary["batch1-t0"]
-    # lookups only (no draft model, no actor): copies served, the greedy output plain's
-    copies = b1["duo-lookup-only"]["controller"]["sources"]
-    assert copies["lookup"]["served"] > 0 and copies["model"]["served"] == 0
+    # lookups only (no draft model, no actor): copies served, never the model's, the greedy
+    # output plain's. Over the run, not in one shape: which shapes draft is the verdict's
+    # measured choice (CI saw batch 1 greedy go plain on a 32-step trial, 21.9 against 23.4
+    # tokens/s, and serve no copy in that shape's rounds)
+    copies = [summary[key]["duo-lookup-only"]["controller"]["sources"] for key in summary]
+    assert sum(c["lookup"]["served"] for c in copies) > 0
+    assert all(c["model"]["served"] == 0 for c in copies)
     assert b1["duo-full"]["predraft_hit_rate"] is not None
     assert b1["duo-full"]["mean_accepted_len"] > 1.0
     assert all(e["ttft_ms"] and e["ttft_ms"] > 0 for e in b1.values())
