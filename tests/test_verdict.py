@@ -102,3 +102,21 @@ def test_the_model_s_warm_up_steps_are_not_measured():
 def test_the_cap_is_the_users_max_batch():
     assert capped(9, 8) and not capped(8, 8) and not capped(64, None)
     assert not capped(None, 8)  # a step of unknown size is not capped
+
+
+def test_a_verdict_judges_only_the_modes_measured_in_its_round():
+    """A rate measured long ago under other conditions never wins a verdict: at a retry,
+    the mode before and the rival tried are judged; the third mode waits for its own
+    trial."""
+    v = Verdict(trial_steps=4, warmup_steps=0, retry_every=40)
+    # batch 4 starts in the model, tries lookups and plain decoding: lookups win, plain
+    # decoding a close second
+    chosen = run(v, 4, 30, {MODEL: 1, LOOKUP: 3, PLAIN: 2.9})
+    assert chosen[-1] == LOOKUP
+    # then the work changes: lookups stop paying, plain decoding is slow, the model fast
+    now = {MODEL: 2.5, LOOKUP: 1, PLAIN: 1}
+    chosen = run(v, 4, 40, now)
+    # the retry tried the model (the rival tried least recently) and ran it after; plain
+    # decoding's old 2.9 did not win without a trial
+    assert [x[2:4] for x in v.log][-2:] == [(MODEL, "trial"), (MODEL, "verdict")]
+    assert chosen[-10:] == [MODEL] * 10

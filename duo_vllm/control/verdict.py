@@ -10,7 +10,8 @@ request at the bucket's smallest batch size. The rules (named numbers of :class:
 1. A mode runs ``trial_steps`` steps before it is judged; the model's first
    ``warmup_steps`` after it turns on are not measured (the draft catches up).
 2. Every ``retry_every`` steps of a bucket, the rival tried least recently is tried again
-   (measured afresh); it must beat the mode that ran before by ``margin``.
+   (measured afresh); it must beat the mode that ran before by ``margin``. A verdict
+   judges only the modes measured in its round, and the mode that ran before it.
 3. A new bucket starts in the winner of the nearest smaller bucket measured in every mode,
    within ``reach`` buckets; else in the model up to batch ``2 ** reach``, lookups above.
    It tries the other modes at once, the model only where it started in it.
@@ -54,7 +55,8 @@ class Verdict:
         self._run: dict = {}  # bucket -> steps in that mode
         self._clock: dict = {}  # bucket -> steps seen
         self._retry_at: dict = {}  # bucket -> its step when the next round of trials is due
-        self._round: dict = {}  # bucket -> (the mode before the round, modes still to try)
+        # bucket -> (the mode before the round, modes still to try, its step when it began)
+        self._round: dict = {}
         self._scope: dict = {}  # bucket -> the request a verdict against the model is for
         self._tried_at: dict = {}  # (bucket, mode) -> its step when the mode last began
         self._sums: dict = {}  # (bucket, mode) -> [tokens, seconds], decayed
@@ -79,7 +81,7 @@ class Verdict:
         elif self._scope.get(b, key) != key:  # rule 4: a new request, the model on trial
             del self._scope[b]
             # then the mode before, afresh: both judged on this request
-            self._round[b] = (self._mode[b], [self._mode[b]])
+            self._round[b] = (self._mode[b], [self._mode[b]], self._clock[b])
             self._switch(b, MODEL, "next request")
             self._run[b] = 0  # counted below
         run = self._run[b] = self._run[b] + 1
@@ -89,7 +91,7 @@ class Verdict:
         elif due and self._clock[b] >= self._retry_at[b]:
             rival = min((m for m in self.modes if m != self._mode[b]),
                         key=lambda m: self._tried_at.get((b, m), -1))
-            self._round[b] = (self._mode[b], [rival])
+            self._round[b] = (self._mode[b], [rival], self._clock[b])
             self._next_trial(b, key)
         mode = self._mode[b]
         self.steps[mode] += 1
@@ -144,7 +146,7 @@ class Verdict:
         others = [m for m in self.modes if m != self._mode[b] and (b, m) not in self._sums
                   and (m != MODEL or self._mode[b] == MODEL)]
         if others:
-            self._round[b] = (self._mode[b], others)
+            self._round[b] = (self._mode[b], others, self._clock[b])
             self._note(b, self._mode[b], "first")
 
     def _switch(self, b, mode: str, how: str) -> None:
@@ -155,13 +157,16 @@ class Verdict:
 
     def _next_trial(self, b, key) -> None:
         """The mode on trial has run its steps: the round's next mode, or its verdict."""
-        before, todo = self._round[b]
+        before, todo, since = self._round[b]
         if todo:
             self._switch(b, todo.pop(0), "trial")
             return
         del self._round[b]
         best = before if (b, before) in self._sums else None
-        for m in self.modes:
+        # judged: the mode before the round and those it tried, not a rate measured long
+        # ago under other conditions
+        judged = [m for m in self.modes if self._tried_at.get((b, m), -1) >= since]
+        for m in judged:
             if m != best and wins(self.rate(b, m), self.rate(b, best), self.margin):
                 best = m
         best = best or before
