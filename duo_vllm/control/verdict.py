@@ -81,7 +81,7 @@ class Verdict:
         elif self._scope.get(b, key) != key:  # rule 4: a new request, the model on trial
             del self._scope[b]
             # then the mode before, afresh: both judged on this request
-            self._round[b] = (self._mode[b], [self._mode[b]], self._clock[b])
+            self._open_round(b, [self._mode[b]])
             self._switch(b, MODEL, "next request")
             self._run[b] = 0  # counted below
         run = self._run[b] = self._run[b] + 1
@@ -91,7 +91,7 @@ class Verdict:
         elif due and self._clock[b] >= self._retry_at[b]:
             rival = min((m for m in self.modes if m != self._mode[b]),
                         key=lambda m: self._tried_at.get((b, m), -1))
-            self._round[b] = (self._mode[b], [rival], self._clock[b])
+            self._open_round(b, [rival])
             self._next_trial(b, key)
         mode = self._mode[b]
         self.steps[mode] += 1
@@ -146,8 +146,12 @@ class Verdict:
         others = [m for m in self.modes if m != self._mode[b] and (b, m) not in self._sums
                   and (m != MODEL or self._mode[b] == MODEL)]
         if others:
-            self._round[b] = (self._mode[b], others, self._clock[b])
+            self._open_round(b, others)
             self._note(b, self._mode[b], "first")
+
+    def _open_round(self, b, todo: list) -> None:
+        """A round of trials of ``todo``, judged against the mode running now."""
+        self._round[b] = (self._mode[b], todo, self._clock[b])
 
     def _switch(self, b, mode: str, how: str) -> None:
         self._mode[b], self._run[b] = mode, 1  # the step under way is its first
