@@ -15,12 +15,15 @@ A method's speed in a shape is then the median over rounds of its ratio to
 the baseline *in the same round*, with the spread of those ratios: drift
 between rounds cancels out of each ratio. ``--control M`` adds a second
 engine of method M (named ``M~2``): the ratio between two engines of one
-version is the resolution of the run.
+version is the resolution of the run. The host's own speed moves by 10-50% in
+bursts of seconds, so one round's ratio is good to about 7%: ``markdown`` turns the
+control pair's rounds into the half-width of a median and the rounds 2% would take.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -160,7 +163,22 @@ def _per_round(rows: list) -> dict:
 
 def _spread(ratios: list[float]) -> dict:
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
-            "rounds": ratios}
+            "rounds": ratios, "half_width": half_width(ratios)}
+
+
+def half_width(ratios: list[float]) -> float | None:
+    """The 95% half-width of a median of per-round ratios, as a fraction: 1.96 x the
+    median's standard error, 1.25 sd / sqrt(n) of the ratios' logarithms."""
+    if len(ratios) < 2:
+        return None
+    sd = statistics.stdev(math.log(r) for r in ratios)
+    return 1.96 * 1.2533 * sd / math.sqrt(len(ratios))
+
+
+def rounds_for(ratios: list[float], target: float = 0.02) -> int | None:
+    """The rounds after which a median of such ratios is good to ``target`` (95%)."""
+    h = half_width(ratios)
+    return None if h is None else math.ceil(len(ratios) * (h / target) ** 2)
 
 
 def paired(results: dict, baseline: str) -> dict:
@@ -217,6 +235,15 @@ def markdown(results: dict, rounds: int) -> str:
                 if any(metric in methods.get(n, {}) for n in names):
                     lines.append(f"| {key} {label} | " + " | ".join(
                         cell(methods.get(n, {}).get(metric)) for n in names) + " |")
+        lines.append("")
+        controls = [n for n in names if base_method(n) == baseline]
+        for key, methods in table.items():
+            for n in controls:
+                e = methods[n]["tok_s"]
+                if e["half_width"] is not None:
+                    lines.append(f"- {key}: the control pair's rounds put a median within "
+                                 f"±{100 * e['half_width']:.1f}% (95%); ±2% takes about "
+                                 f"{rounds_for(e['rounds'])} rounds")
         lines.append("")
     return "\n".join(lines) + "\n"
 

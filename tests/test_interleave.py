@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.interleave import _merge, markdown, paired
+import math
+
+from benchmarks.interleave import _merge, half_width, markdown, paired, rounds_for
 
 
 def _method(speeds: dict, latency: float | None = None) -> dict:
@@ -39,6 +41,23 @@ def test_spread_and_rounds_missing_from_the_baseline():
     assert (entry["min"], entry["max"]) == pytest.approx((0.9, 1.05))
     assert "plain-all~2" in markdown(results, 2)
     assert paired(results, "plain-1core") == {}  # no such engine in the run
+
+
+def test_the_control_pair_says_how_many_rounds_resolve_two_percent():
+    ratios = [0.93, 1.07, 1.0, 0.95, 1.05]  # two engines of one version, round by round
+    sd = math.sqrt(sum((math.log(r) - sum(map(math.log, ratios)) / 5) ** 2 for r in ratios) / 4)
+    assert half_width(ratios) == pytest.approx(1.96 * 1.2533 * sd / math.sqrt(5))
+    assert half_width(ratios * 4) < half_width(ratios) / 1.9  # 4x the rounds: about half
+    assert half_width([1.0, 1.0, 1.0]) == 0 and half_width([1.1]) is None
+    need = rounds_for(ratios)
+    assert half_width(ratios * math.ceil(need / 5)) <= 0.0205
+    assert half_width(ratios * (need // 5 // 2)) > 0.02
+    results = {"plain-all": _method(dict.fromkeys(range(5), 10.0)),
+               "plain-all~2": _method({i: 10.0 * r for i, r in enumerate(ratios)}),
+               "duo-lend": _method(dict.fromkeys(range(5), 12.0))}
+    text = markdown(results, 5)
+    assert f"±2% takes about {need} rounds" in text
+    assert text.count("takes about") == 1  # from the control pair alone
 
 
 def test_rounds_merge_into_one_shape():

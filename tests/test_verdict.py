@@ -31,7 +31,7 @@ def test_a_new_small_bucket_tries_every_mode_then_runs_the_fastest():
 
 
 def test_a_mode_that_loses_everywhere_is_left_and_retried_each_interval():
-    v = Verdict(trial_steps=4, warmup_steps=0, retry_every=40)
+    v = Verdict(trial_steps=4, warmup_steps=0, retry_every=40, retry_max=40)
     chosen = run(v, 4, 120, {MODEL: 1, LOOKUP: 3, PLAIN: 2})
     assert chosen[:4] == [MODEL] * 4  # batch 4 is within reach: the model first
     tail = chosen[12:]
@@ -39,6 +39,23 @@ def test_a_mode_that_loses_everywhere_is_left_and_retried_each_interval():
     # one rival a retry, the one tried least recently: the model, then plain decoding
     retries = [x[2] for x in v.log if x[3] == "trial"][2:]
     assert retries[:2] == [MODEL, PLAIN] and 0 < tail.count(MODEL) <= 2 * 4
+
+
+def test_verdicts_that_keep_the_mode_space_the_retries_out_and_a_rival_s_win_resets_them():
+    v = Verdict(trial_steps=4, warmup_steps=0, retry_every=40, retry_max=160)
+    run(v, 4, 1200, {MODEL: 1, LOOKUP: 3, PLAIN: 2})  # lookups keep winning
+    verdicts = [x[0] for x in v.log if x[3] == "verdict"]
+    gaps = [b - a for a, b in zip(verdicts, verdicts[1:])]
+    # each gap: the interval, then the 4 steps of the retry's trial; the first verdict
+    # was a rival's win (lookups over the model the bucket started in), the rest kept it
+    assert gaps[:4] == [40 + 4, 80 + 4, 160 + 4, 160 + 4]
+    trials = sum(1 for x in v.log if x[3] == "trial")
+    run(v, 4, 600, {MODEL: 1, LOOKUP: 2, PLAIN: 3})  # plain decoding now fastest
+    assert v.peek(4) == PLAIN
+    won = min(x[0] for x in v.log if x[2] == PLAIN and x[3] == "verdict")
+    later = [x[0] for x in v.log if x[3] == "verdict" and x[0] > won]
+    assert later and later[0] - won == 40 + 4  # the interval back to retry_every
+    assert trials < 1200 / 40  # fewer rounds than one every retry_every
 
 
 def test_a_large_new_bucket_starts_without_the_model_and_tries_it_only_at_a_retry():

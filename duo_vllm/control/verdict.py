@@ -11,7 +11,10 @@ request at the bucket's smallest batch size. The rules (named numbers of :class:
    ``warmup_steps`` after it turns on are not measured (the draft catches up).
 2. Every ``retry_every`` steps of a bucket, the rival tried least recently is tried again
    (measured afresh); it must beat the mode that ran before by ``margin``. A verdict
-   judges only the modes measured in its round, and the mode that ran before it.
+   judges only the modes measured in its round, and the mode that ran before it. Each
+   verdict that keeps the mode doubles the bucket's interval, up to ``retry_max``; a
+   rival's win brings it back to ``retry_every`` (a trial of a losing mode is the
+   verdict's own cost).
 3. A new bucket starts in the winner of the nearest smaller bucket measured in every mode,
    within ``reach`` buckets; else in the model up to batch ``2 ** reach``, lookups above.
    It tries the other modes at once, the model only where it started in it.
@@ -45,16 +48,18 @@ class Verdict:
     """The mode each step runs in, per batch-size bucket (module docstring)."""
 
     def __init__(self, modes=(MODEL, LOOKUP, PLAIN), trial_steps: int = 32,
-                 warmup_steps: int = 8, retry_every: int = 256, margin: float = 0.02,
-                 weight: float = 0.05, reach: int = 2):
+                 warmup_steps: int = 8, retry_every: int = 256, retry_max: int = 2048,
+                 margin: float = 0.02, weight: float = 0.05, reach: int = 2):
         self.modes = tuple(modes)
         self.trial_steps, self.warmup_steps = trial_steps, warmup_steps
-        self.retry_every, self.margin, self.weight = retry_every, margin, weight
+        self.retry_every, self.retry_max = retry_every, max(retry_max, retry_every)
+        self.margin, self.weight = margin, weight
         self.reach = reach
         self._mode: dict = {}  # bucket -> the mode running
         self._run: dict = {}  # bucket -> steps in that mode
         self._clock: dict = {}  # bucket -> steps seen
         self._retry_at: dict = {}  # bucket -> its step when the next round of trials is due
+        self._interval: dict = {}  # bucket -> steps from a verdict to its next round
         # bucket -> (the mode before the round, modes still to try, its step when it began)
         self._round: dict = {}
         self._scope: dict = {}  # bucket -> the request a verdict against the model is for
@@ -140,7 +145,7 @@ class Verdict:
     def _start(self, b) -> None:
         self._mode[b], self._run[b] = self._first(b), 0
         self._tried_at[(b, self._mode[b])] = self._clock[b]
-        self._retry_at[b] = self.retry_every
+        self._retry_at[b] = self._interval[b] = self.retry_every
         # rule 3: the modes not measured here yet, at once; the model only where it started
         # (a burst of new requests drafted on one core loses to plain)
         others = [m for m in self.modes if m != self._mode[b] and (b, m) not in self._sums
@@ -175,7 +180,9 @@ class Verdict:
                 best = m
         best = best or before
         self._mode[b], self._run[b] = best, 1
-        self._retry_at[b] = self._clock[b] + self.retry_every
+        self._interval[b] = (min(2 * self._interval[b], self.retry_max) if best == before
+                             else self.retry_every)
+        self._retry_at[b] = self._clock[b] + self._interval[b]
         if best != MODEL and key is not None and MODEL in self.modes:
             self._scope[b] = key  # rule 4
         self._note(b, best, "verdict", *(self.rate(b, m) for m in self.modes))
