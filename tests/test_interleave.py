@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 import math
+
+import pytest
 
 from benchmarks.interleave import _merge, half_width, markdown, paired, rounds_for
 
