@@ -102,12 +102,12 @@ class ActorEmptyProposer(EmptyProposer):
         from duo_vllm.runtime.actor import get_or_create_actor
         from duo_vllm.config import DuoConfig
         from duo_vllm.models import default_draft_gguf
-        from duo_vllm.runtime.raynode import ensure_ray
+        from duo_vllm.runtime.raynode import background_daemons, ensure_ray
 
         cfg = DuoConfig(draft_cores=(1,))
         ray = ensure_ray(cfg)
         self.actor = get_or_create_actor(cfg, default_draft_gguf(), [1], 4)
-        ray.get(self.actor.info.remote())
+        background_daemons(keep=ray.get(self.actor.info.remote())["pid"])  # as DuoProposer
 
 
 class ActorFreeEmptyProposer(ActorEmptyProposer, DraftFreeEmptyProposer):

@@ -158,6 +158,13 @@ def test_vocab_mismatch_names_both_models(other_vocab_target):
         DuoProposer(vllm_config(other_vocab_target, duo={"use_actor": False}))
 
 
+def _policy(tid: int) -> int | None:
+    try:
+        return os.sched_getscheduler(tid)
+    except OSError:
+        return None
+
+
 def _affinity(tid: int) -> set[int] | None:
     try:
         return os.sched_getaffinity(tid)
@@ -182,6 +189,19 @@ def test_ray_actor_is_named_pinned_and_shared(target_dir):
         masks = [_affinity(int(t)) for t in os.listdir(f"/proc/{info['pid']}/task")]
         masks = [m for m in masks if m is not None]  # a thread may end meanwhile
         assert len(masks) > 1 and set().union(*masks) == {1}
+        # the private instance's daemons never preempt the target's threads; the actor,
+        # forked by one of them, still drafts in the foreground
+        import psutil
+
+        daemons = [p for p in psutil.Process().children(recursive=True)
+                   if p.name() in ("raylet", "gcs_server")]
+        assert len(daemons) == 2
+        assert {_policy(t.id) for p in daemons for t in p.threads()} - {None} == {os.SCHED_IDLE}
+        actor = {_policy(int(t)) for t in os.listdir(f"/proc/{info['pid']}/task")}
+        assert actor - {None} == {os.SCHED_OTHER}
+        # no idle worker processes started ahead of need
+        assert not [p for p in psutil.Process().children(recursive=True)
+                    if p.name() == "ray::IDLE"]
         assert ray.get_actor("duo_test_actor", namespace="duo_test") is not None
         with pytest.raises(ValueError):
             ray.get_actor("duo_test_actor", namespace="some_other_job")

@@ -40,6 +40,23 @@ def pin_process(cores: list[int]) -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
+def foreground() -> bool:
+    """Every thread of this process under the normal policy again, if it inherited
+    ``SCHED_IDLE`` from a raylet kept in the background (a replacement actor); False, and
+    a warning, where Linux refuses (no CAP_SYS_NICE): the draft then runs only on idle cores."""
+    if not hasattr(os, "SCHED_IDLE") or os.sched_getscheduler(0) != os.SCHED_IDLE:
+        return True
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with suppress(ProcessLookupError):
+                os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+    except PermissionError:
+        logger.warning("DuoProposer: the draft actor inherited SCHED_IDLE from Ray's raylet "
+                       "and may not leave it (no CAP_SYS_NICE): it drafts only on idle cores")
+        return False
+    return True
+
+
 class DraftWorker:
     """Loads the draft model; drafts for vLLM steps and pre-drafts between them."""
 
@@ -304,6 +321,7 @@ class DraftActor(DraftWorker):
         from duo_vllm.logs import setup_actor_logging
 
         setup_actor_logging()
+        foreground()
         if not cores:
             cores = node_draft_cores(DuoConfig.from_dict(nest_tuning(cfg)))
         super().__init__(cfg, model_path, cores, k, backend_factory)

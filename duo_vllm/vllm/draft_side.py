@@ -12,6 +12,7 @@ from duo_vllm.models import ModelNotFoundError, default_draft_gguf
 from duo_vllm.runtime.actor import DraftWorker, get_or_create_actor
 from duo_vllm.runtime.client import ActorClient
 from duo_vllm.runtime.message import StepRequest
+from duo_vllm.runtime.raynode import background_daemons
 from duo_vllm.runtime.raynode import check_placement as _check_placement
 from duo_vllm.runtime.raynode import ensure_ray as _ensure_ray
 from duo_vllm.vllm.vocab import check_vocab, target_token_texts
@@ -46,6 +47,10 @@ class DraftSide:
                 lambda: get_or_create_actor(cfg, self.model_path, cores, self.k),
                 cfg.propose_timeout_s, cfg.max_restarts, logger)
             info = self._client.info
+            moved = background_daemons(keep=info["pid"])  # once the actor's process runs
+            if moved:
+                logger.info("DuoProposer: Ray's daemons (%d threads) run under SCHED_IDLE: "
+                            "never before the target's threads", moved)
         else:
             self._worker = DraftWorker(cfg.to_dict(), self.model_path, None, self.k)
             info = self._worker.info()
