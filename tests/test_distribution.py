@@ -31,6 +31,7 @@ PROMPTS = ["Once upon a time, there was a", "My favourite thing to eat is"]
 SAMPLES = 300  # per prompt and method
 POSITIONS = (0, 1, 2)
 P_MIN = 1e-3  # equal distributions: fail at most 1 in 1000 (seeds are fixed anyway)
+ENDED = -1  # a position after the continuation's end
 
 
 def sample(session_tmp, target_dir, name, spec):
@@ -38,7 +39,9 @@ def sample(session_tmp, target_dir, name, spec):
     out = run_vllm(session_tmp, name, target=target_dir, prompts=prompts, max_tokens=3,
                    temperature=1.0, top_p=0.9, seeds=list(range(len(prompts))),
                    max_num_seqs=16, speculative_config=spec, timeout=1200)
-    ids = [o[0] for o in out["token_ids"]]
+    # a continuation that ended early (EOS is a token of the target's distribution too)
+    # has ENDED at the later positions: an outcome of its own, compared like any token
+    ids = [(o[0] + [ENDED] * len(POSITIONS))[:len(POSITIONS)] for o in out["token_ids"]]
     return {p: ids[i * SAMPLES:(i + 1) * SAMPLES] for i, p in enumerate(PROMPTS)}, out
 
 
