@@ -193,15 +193,14 @@ def test_ray_actor_is_named_pinned_and_shared(target_dir):
         # forked by one of them, still drafts in the foreground
         import psutil
 
-        daemons = [p for p in psutil.Process().children(recursive=True)
-                   if p.name() in ("raylet", "gcs_server")]
+        ray_procs = psutil.Process().children(recursive=True)
+        daemons = [p for p in ray_procs if p.name() in ("raylet", "gcs_server")]
         assert len(daemons) == 2
         assert {_policy(t.id) for p in daemons for t in p.threads()} - {None} == {os.SCHED_IDLE}
         actor = {_policy(int(t)) for t in os.listdir(f"/proc/{info['pid']}/task")}
         assert actor - {None} == {os.SCHED_OTHER}
         # no idle worker processes started ahead of need
-        assert not [p for p in psutil.Process().children(recursive=True)
-                    if p.name() == "ray::IDLE"]
+        assert not [p for p in ray_procs if p.name() == "ray::IDLE"]
         assert ray.get_actor("duo_test_actor", namespace="duo_test") is not None
         with pytest.raises(ValueError):
             ray.get_actor("duo_test_actor", namespace="some_other_job")

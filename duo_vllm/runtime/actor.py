@@ -34,10 +34,20 @@ def pin_process(cores: list[int]) -> list[int]:
         raise DuoConfigError(f"draft_cores {cores} name CPU(s) {missing} that do not exist "
                              f"on this node (allowed CPUs: {allowed})")
     os.sched_setaffinity(0, cores)
-    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ():
-        with suppress(OSError):  # a thread that ended meanwhile
-            os.sched_setaffinity(int(tid), cores)
+    if os.path.isdir("/proc/self/task"):
+        each_thread(lambda tid: os.sched_setaffinity(tid, cores), ignore=OSError)
     return sorted(os.sched_getaffinity(0))
+
+
+def each_thread(call, pid: int | str = "self", ignore=ProcessLookupError) -> int:
+    """``call(tid)`` for every thread of process ``pid`` (Linux /proc); a call that raises
+    ``ignore`` (by default: the thread ended meanwhile) is skipped. Returns the calls made."""
+    done = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with suppress(ignore):
+            call(int(tid))
+            done += 1
+    return done
 
 
 def foreground() -> bool:
@@ -47,9 +57,7 @@ def foreground() -> bool:
     if not hasattr(os, "SCHED_IDLE") or os.sched_getscheduler(0) != os.SCHED_IDLE:
         return True
     try:
-        for tid in os.listdir("/proc/self/task"):
-            with suppress(ProcessLookupError):
-                os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+        each_thread(lambda tid: os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0)))
     except PermissionError:
         logger.warning("DuoProposer: the draft actor inherited SCHED_IDLE from Ray's raylet "
                        "and may not leave it (no CAP_SYS_NICE): it drafts only on idle cores")

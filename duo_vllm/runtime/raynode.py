@@ -9,6 +9,7 @@ import os
 from contextlib import suppress
 
 from duo_vllm.config import DuoConfig, DuoConfigError, allowed_cpus
+from duo_vllm.runtime.actor import each_thread
 
 
 _private: str | None = None  # the session of the private instance ensure_ray started
@@ -94,11 +95,10 @@ def background_daemons(keep: int) -> int:
     parents = _parents()
     moved = 0
     for pid in descendants(roots, parents) - descendants([keep], parents):
-        with suppress(OSError):
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with suppress(OSError):
-                    os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
-                    moved += 1
+        with suppress(OSError):  # a process that ended meanwhile
+            moved += each_thread(
+                lambda tid: os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0)),
+                pid, ignore=OSError)
     return moved
 
 
