@@ -119,11 +119,6 @@ METHODS = {
     "spec-empty": dict(bind="0", spec={"model": "benchmarks.oracle.EmptyProposer",
                                        "num_speculative_tokens": K}),
     "plain-all-iomp": dict(bind="0-1", spec=None, iomp=True),
-    # duo-lend with the draft prefilling beside the target's prefill unless the target saves
-    # more than the draft's whole prefill (prefill_loss 1: the rule before first tokens
-    # were lent every core)
-    "duo-lend-sideprefill": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
-                                                  "budget": "auto", "prefill_loss": 1.0}),
     # duo-lend with the batch cap at 1 (max_batch): no draft work above batch 1
     "duo-lend-cap1": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
                                            "budget": "auto", "max_batch": 1}),

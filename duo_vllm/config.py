@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from duo_vllm.control.lending import PREFILL_LOSS
 from duo_vllm.draft.backend import QUANT_FTYPES
 from duo_vllm.host.cores import (CoreChoice, Topology, cgroup_cpu_limit, choose_draft_cores,
                                  draft_threads, gpu_numa_node, parse_cpu_list, read_topology)
@@ -40,7 +39,7 @@ USER_OPTIONS = ("draft_model", "draft_quant", "draft_cores", "draft_window", "n_
 TUNING_OPTIONS = ("n_threads", "max_draft_len", "use_actor", "actor_name", "namespace",
                   "prompt_cache_mb", "propose_timeout_s", "max_restarts", "parallel",
                   "multi_sequence", "budget", "max_branches", "gate", "lend_cores",
-                  "sampled_drafts", "prefill_loss")
+                  "sampled_drafts")
 
 
 def _is_int(value, low: int, high: int | None = None) -> bool:
@@ -93,7 +92,6 @@ class DuoConfig:
     max_branches: int = 4
     gate: bool = True
     lend_cores: bool = True
-    prefill_loss: float = PREFILL_LOSS  # control.lending.lend_prefill
     sampled_drafts: bool = True
     vllm_limits: dict[str, Any] | None = None
 
@@ -121,9 +119,6 @@ class DuoConfig:
                    note=" (0: CPU only, -1: all layers on a GPU)")
         if self.budget != "auto":
             _check_int("budget", self.budget, 0, note=' (tokens per request per step) or "auto"')
-        x = self.prefill_loss
-        if not (_is_number(x) and 0 <= x <= 1):
-            raise DuoConfigError(f"prefill_loss must be a number from 0 to 1, got {x!r}")
         t = self.propose_timeout_s
         if t != "auto" and not (_is_number(t) and t > 0):
             raise DuoConfigError(f'propose_timeout_s must be "auto" or a number of seconds > 0, '

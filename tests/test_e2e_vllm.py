@@ -104,6 +104,9 @@ def test_greedy_output_equals_plain_vllm(combo, session_tmp, target_dir, specben
                 duo["log"][-3000:]
             assert stats["matmul_remakes"] <= (stats["lend_switches"] + 1) // 2, stats
         assert stats["lend_switches"] >= 1, stats
+        # every prompt prefilled on both cores, then handed to the draft one-way
+        assert stats["lent_prefills"] >= 10 and stats["side_prefills"] == 0, stats
+        assert stats["prefetched_prompts"] > 0, stats
         # four requests at once, above max_batch 1: the same tokens as plain vLLM, and
         # no call to the draft actor on a step above the cap
         assert duo["then_token_ids"] == plain_greedy["token_ids"][:4]

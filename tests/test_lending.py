@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from duo_vllm.control.verdict import LOOKUP, MODEL
-from duo_vllm.control.lending import PREFILL_LOSS, lend_prefill, remake_pays
+from duo_vllm.control.lending import remake_pays
 from duo_vllm.host.lending import (ONEDNN_CACHE, MatmulPrimitives, TargetThreads, bind_order,
                                    lend_plan)
 from duo_vllm.sources.base import Sources
@@ -354,14 +354,6 @@ def test_an_idle_draft_side_lends_only_where_no_matmul_would_need_remaking(clock
     p.before_step(2)
     assert p._primitives.refreshes == 0 and p._primitives.made[2] is True
     assert cache[(2, 576, False)] == 2
-    # new prompts the draft prefills beside the target's prefill (the rule that counts
-    # the draft's whole prefill as lost: no short prompt is lent): the draft's cores
-    p.config = dataclasses.replace(p.config, prefill_loss=1.0)
-    p._prefetch, p.verdict.peek = True, lambda b, sampled, key=None: MODEL
-    p.on_new_requests([SimpleNamespace(prompt_token_ids=[1, 2, 3],
-                                       sampling_params=SimpleNamespace(temperature=0.0))],
-                      batch=2)
-    assert not p._threads.lent and w.prefetched
 
 
 def test_prompts_the_draft_will_not_draft_for_are_prefilled_on_the_lent_cores(clock):
@@ -390,25 +382,7 @@ def test_prompts_the_draft_will_not_draft_for_are_prefilled_on_the_lent_cores(cl
     assert w.waited  # once the draft's decode call under way had ended
 
 
-def test_a_prefill_is_lent_where_the_target_saves_more_than_the_draft_then_spends():
-    # the whole draft prefill counted as lost (loss 1): a 700-token prompt, the draft
-    # sees 256 of it: half of 700 saved >= 256 spent
-    assert lend_prefill(700, 256, drafting=1, full=2, loss=1.0)
-    assert not lend_prefill(400, 256, 1, 2, loss=1.0)  # 200 saved < 256 spent
-    assert lend_prefill(512, 256, 1, 2, loss=1.0)  # a tie: the first tokens come sooner
-    # the more cores lent, the more a lend saves: 3 of 4 cores free 300 of 400 tokens
-    assert lend_prefill(400, 256, 1, 4, loss=1.0) and not lend_prefill(400, 256, 2, 4, 1.0)
-    # the default: half the draft's prefill lost (the request decodes meanwhile, without
-    # drafts): a short prompt the draft sees whole is lent on 2 cores, its first token at
-    # plain vLLM's time; one a prefix cache mostly spares the target is not
-    assert lend_prefill(120, 120, 1, 2) and lend_prefill(400, 256, 1, 2)
-    assert not lend_prefill(100, 300, 1, 2)
-    # nothing for the target to compute (its prefix cache), or no core to lend: never
-    assert not lend_prefill(0, 0, 1, 2) and not lend_prefill(5000, 256, 2, 2)
-    assert not lend_prefill(100, 100, 1, 2, loss=1.0)  # today's rule: only long prompts
-
-
-def test_long_prompts_are_prefilled_on_the_lent_cores_and_short_ones_beside_the_draft(clock):
+def test_a_lending_target_prefills_every_prompt_on_every_core_and_hands_it_over_after(clock):
     class Prefetching(IdleWorker):
         pauses = 0
         prefetched = None
@@ -418,41 +392,65 @@ def test_long_prompts_are_prefilled_on_the_lent_cores_and_short_ones_beside_the_
 
     w = Prefetching(drafts=[[7]])
     w.idle = False
-    p, calls = lending(w)
-    p.config = dataclasses.replace(p.config, prefill_loss=1.0)  # the draft's prefill all lost
+    p, calls = lending(w, runner_ids=("a", "b"))
     p._prefetch, p.max_model_len = True, 2048
     p.verdict.choose = p.verdict.peek = lambda b, sampled, key=None: MODEL
     sampled, n, ids = inputs([[1, 2]])
     p.propose(sampled, n, ids)  # drafting: the draft's core is its own
-    assert calls == [1] and p._window == 256
+    assert calls == [1] and len(w.calls) == 1
 
-    def new(length):
-        return [SimpleNamespace(prompt_token_ids=list(range(length)),
+    def new(length, req_id="a", cached=0):
+        return [SimpleNamespace(prompt_token_ids=list(range(length)), req_id=req_id,
+                                num_computed_tokens=cached,
                                 sampling_params=SimpleNamespace(temperature=0.0))]
 
-    p.on_new_requests(new(700), batch=1)  # the target prefills it on both cores
+    # short or long, in vLLM's prefix cache or not: every core prefills it, the draft
+    # nothing beside it (its background work dropped)
+    p.on_new_requests(new(20), batch=1)
     assert calls == [1, 2] and w.prefetched is None and w.pauses == 1
-    assert p.stats()["lent_prefills"] == 1
-    p.propose(sampled, n, ids)  # the draft takes it from the next step, on its core
-    assert calls == [1, 2, 1]
-    p.on_new_requests(new(300), batch=1)  # short: the draft prefills it beside the target
-    assert calls == [1, 2, 1] and len(w.prefetched[0]) == 300
-    # several prompts: what the draft sees of each is what it spends (450 < 256 + 80 + 120)
-    p.on_new_requests(new(700) + new(80) + new(120), batch=3)
-    assert calls == [1, 2, 1] and len(w.prefetched) == 3
-    # long, but in vLLM's prefix cache: the target computes 100 of 700 tokens
-    cached = new(700)
-    cached[0].num_computed_tokens = 600
-    p.on_new_requests(cached, batch=1)
-    assert calls == [1, 2, 1] and len(w.prefetched[0]) == 700
-    assert p.stats()["lent_prefills"] == 1
-    p.on_new_requests(new(700) + new(650), batch=2)  # 675 saved >= 512 spent
+    # the prompt's step: its context goes to the draft one-way, the step waits for nothing
+    sampled, n, ids = inputs([list(range(21))])
+    assert p.propose(sampled, n, ids) == [[]]
+    assert len(w.calls) == 1 and [len(c) for c in w.prefetched] == [21]
+    assert calls == [1, 2, 1]  # the draft's core back to it, to prefill the prompt
+    assert p.propose(sampled, n, ids) == [[7]]  # from the next step the draft drafts
+    assert len(w.calls) == 2
+    p.on_new_requests(new(700, cached=640), batch=1)  # mostly cached: lent all the same
     assert calls == [1, 2, 1, 2] and p.stats()["lent_prefills"] == 2
-    # the default rule (half the draft's prefill lost): a short prompt is lent too
-    p.config = dataclasses.replace(p.config, prefill_loss=PREFILL_LOSS)
-    p.propose(sampled, n, ids)
-    p.on_new_requests(new(300), batch=1)  # 150 saved >= 128 lost
-    assert calls == [1, 2, 1, 2, 1, 2] and p.stats()["lent_prefills"] == 3
+    p.propose(sampled, n, ids)  # its step: handed over, no call
+    assert len(w.calls) == 2
+    # a step where a new prompt joins a request drafted for: the draft is asked as ever
+    p.on_new_requests(new(25, req_id="b"), batch=2)
+    sampled, n, ids = inputs([[1, 2, 3], list(range(26))])
+    w.drafts = [[7], [8]]
+    assert p.propose(sampled, n, ids) == [[7], [8]] and len(w.calls) == 3
+    # where the verdict will not draft, no hand-over either: plain decoding, lent
+    p.verdict.peek = lambda b, sampled, key=None: LOOKUP
+    p.on_new_requests(new(50), batch=1)
+    assert p._handoff == set() and p._threads.lent
+
+
+def test_a_target_that_lends_nothing_has_the_draft_prefill_new_prompts_beside_it(clock):
+    class Prefetching(FakeDraftWorker):
+        prefetched = None
+
+        def prefetch(self, prompts):
+            self.prefetched = prompts
+            return len(prompts)
+
+    w = Prefetching(drafts=[[7]])
+    p = bare(w)  # no lending (the draft has cores of its own, or a GPU target)
+    p.attach_runner(SimpleNamespace(input_batch=SimpleNamespace(
+        temperature_cpu=np.zeros(1, dtype=np.float32), req_ids=["a"])))
+    p._prefetch, p.max_model_len = True, 2048
+    p.verdict.choose = p.verdict.peek = lambda b, sampled, key=None: MODEL
+    p.on_new_requests([SimpleNamespace(prompt_token_ids=[1, 2, 3], req_id="a",
+                                       sampling_params=SimpleNamespace(temperature=0.0))],
+                      batch=1)
+    assert [list(c) for c in w.prefetched] == [[1, 2, 3]]
+    assert p.stats()["side_prefills"] == 1 and p.stats()["lent_prefills"] == 0
+    sampled, n, ids = inputs([[1, 2, 3, 4]])
+    assert p.propose(sampled, n, ids) == [[7]]  # its first step is drafted for
 
 
 @pytest.mark.expect_swallowed(TypeError, reason="vLLM's internals moved: a hook set to None")

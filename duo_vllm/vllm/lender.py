@@ -1,13 +1,14 @@
 """DuoProposer's side of lending the draft's cores to a CPU target
-(:mod:`duo_vllm.host.lending`): which steps lend them, and the target's oneDNN matmuls
-remade for the thread count a step runs on. :class:`CoreLending` is mixed into DuoProposer
-and reads its ``_threads`` (``None``: the target lends nothing) and ``_primitives``."""
+(:mod:`duo_vllm.host.lending`): which steps lend them, a lent prompt handed to the draft
+after its step, and the target's oneDNN matmuls remade for the thread count a step runs
+on. :class:`CoreLending` is mixed into DuoProposer and reads its ``_threads`` (``None``:
+the target lends nothing) and ``_primitives``."""
 
 from __future__ import annotations
 
 import time
 
-from duo_vllm.control.lending import lend_prefill, remake_pays
+from duo_vllm.control.lending import remake_pays
 from duo_vllm.host.lending import MatmulPrimitives
 from duo_vllm.logs import vllm_logger
 
@@ -46,14 +47,16 @@ class CoreLending:
             self._pause_draft()
             self._lend(True)
 
-    def _lend_prefill(self, new_reqs, prompts) -> bool:
-        """Prefill ``new_reqs`` on every core, not beside the draft (:func:`lend_prefill`)?"""
-        # the target's work: every new prompt, beyond what vLLM's prefix cache holds
-        target = sum(len(getattr(r, "prompt_token_ids", None) or ())
-                     - (getattr(r, "num_computed_tokens", 0) or 0) for r in new_reqs)
-        seen = sum(min(len(p), self._window or len(p)) for p in prompts)  # the draft's
-        return lend_prefill(target, seen, self._threads.drafting, self._threads.full,
-                            self.config.prefill_loss)
+    def _hand_off(self, lent: set, keys, contexts) -> bool:
+        """Was every row of this step just prefilled on every core (``lent``: a lending
+        target's new prompts)? Then their contexts go to the draft one-way, to prefill in
+        the background, and the step does not wait for drafts: the first token comes at
+        plain vLLM's time. The draft drafts for them from the next step."""
+        if not lent or not all(key in lent for key in keys):
+            return False
+        drafter = self._client if self._client is not None else self._worker
+        drafter.prefetch(contexts)
+        return True
 
     def _pause_draft(self) -> None:
         """The draft side drops its background work; a target about to take its cores

@@ -126,8 +126,9 @@ class DuoProposer(DraftSide, CoreLending):
         self.drawn_tokens = 0  # draft tokens served with their q (sampled drafts)
         self.q_dropped_steps = 0  # steps whose q was over Q_MAX_BYTES (verified without)
         self.unfit_steps = 0  # steps after which vLLM would not call propose() (a long row)
-        self.lent_prefills = 0  # prefill steps lent rather than shared (lend_prefill)
+        self.lent_prefills = 0  # prefill steps on the draft's cores too (a lending target)
         self.side_prefills = 0  # prefill steps the draft shared, prefilling beside
+        self._handoff: set = set()  # requests whose prompts were lent: handed over one-way
         self.seeded_rows = 0  # rows decoded without drafts: seeded sampled requests
         self._window = pool_window(cfg.draft_window, cfg.n_ctx)  # what the draft sees
 
@@ -152,6 +153,7 @@ class DuoProposer(DraftSide, CoreLending):
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         self._step_q = None
+        lent, self._handoff = self._handoff, set()  # the prompts the step under way prefilled
         if self._failed or self._passive or self._held:
             self._lend(True)
             return drafts
@@ -216,6 +218,10 @@ class DuoProposer(DraftSide, CoreLending):
         if not self._on or disabled:
             self._lend(True)  # the draft side gave up for good: lend for good
         if not self._on:  # the draft model does not pay at this batch size: no draft work
+            return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, None)
+        if self._hand_off(lent, keys, contexts):  # new prompts lent: the draft takes them now
+            self._returned_at = time.perf_counter()
+            self._lend(False)
             return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, None)
         cost = self.step_time.cost(batch)
         step_s, per_token_s = (None, None) if cost is None else (cost.t0, cost.per_token)
@@ -357,22 +363,22 @@ class DuoProposer(DraftSide, CoreLending):
         new_reqs = [r for r in new_reqs if self.config.draft_seeded or not rows_of.seeded(r)]
         if not new_reqs:  # none the draft will see (seeded: decoded without drafts)
             return
-        if self._gated and self._runner is not None and not self._will_draft(new_reqs, batch):
-            self._prefill_lent()  # no draft work: the target prefills on every core
+        drafts = not self._gated or self._runner is None or self._will_draft(new_reqs, batch)
+        if self._threads is not None:  # a lending target: every core prefills them
+            self.lent_prefills += 1
+            self._prefill_lent()  # no draft work: the first token comes at plain's time
+            if drafts:  # the draft takes the prompts after, one-way (_hand_off)
+                self._handoff.update(getattr(r, "req_id", None) for r in new_reqs)
+                self._handoff.discard(None)
+            return
+        if not drafts:
             return
         prompts = [np.asarray(r.prompt_token_ids, dtype=np.int32) for r in new_reqs
                    if getattr(r, "prompt_token_ids", None)]
         prompts = [p for p in prompts if len(p) < self.max_model_len - 1]
-        if not prompts:
-            return
-        if self._threads is not None and self._lend_prefill(new_reqs, prompts):
-            self.lent_prefills += 1  # long prompts: every core prefills them
-            self._prefill_lent()
-            return
         drafter = self._client if self._client is not None else self._worker
-        if drafter.prefetch(prompts):  # the draft prefills them beside the target's prefill
+        if prompts and drafter.prefetch(prompts):  # the draft prefills them beside the target
             self.side_prefills += 1
-            self._lend(False)
 
     def _will_draft(self, new_reqs, batch: int | None) -> bool:
         """Will the verdict draft for the batch these new requests join?"""
