@@ -430,6 +430,36 @@ def test_a_lending_target_prefills_every_prompt_on_every_core_and_hands_it_over_
     assert p._handoff == set() and p._threads.lent
 
 
+def test_a_draft_side_that_gave_up_takes_no_prompt_and_the_target_keeps_its_cores(clock):
+    class GoneClient:  # the actor client after its last restart failed: plain for good
+        disabled, restarts = True, 0
+        prefetched = None
+
+        def prefetch(self, contexts):
+            self.prefetched = contexts
+            return False
+
+        def pause(self, wait_s=0.0):
+            return False
+
+        def propose(self, step):
+            return None
+
+    p, calls = lending(FakeDraftWorker())
+    p._client = client = GoneClient()
+    p._prefetch, p.max_model_len = True, 2048
+    p.verdict.choose = p.verdict.peek = lambda b, sampled, key=None: MODEL
+    p._lend(False)  # the draft had its core when it gave up
+    p.on_new_requests([SimpleNamespace(prompt_token_ids=list(range(20)), req_id="a",
+                                       sampling_params=SimpleNamespace(temperature=0.0))],
+                      batch=1)
+    assert calls == [1, 2]  # the prompt's step on every core
+    sampled, n, ids = inputs([list(range(21))])
+    assert p.propose(sampled, n, ids) == [[]]
+    # no hand-over: nothing sent, and the next step keeps every core
+    assert client.prefetched is None and calls == [1, 2] and p._threads.lent
+
+
 def test_a_target_that_lends_nothing_has_the_draft_prefill_new_prompts_beside_it(clock):
     class Prefetching(FakeDraftWorker):
         prefetched = None

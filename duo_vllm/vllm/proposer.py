@@ -219,7 +219,8 @@ class DuoProposer(DraftSide, CoreLending):
             self._lend(True)  # the draft side gave up for good: lend for good
         if not self._on:  # the draft model does not pay at this batch size: no draft work
             return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, None)
-        if self._hand_off(lent, keys, contexts):  # new prompts lent: the draft takes them now
+        # lent new prompts go to the draft now (not once it gave up: then lent for good)
+        if not disabled and self._hand_off(lent, keys, contexts):
             self._returned_at = time.perf_counter()
             self._lend(False)
             return self._serve(drafts, rows, keys, contexts, temps_or_0, lookups, None)
