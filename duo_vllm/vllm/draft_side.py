@@ -107,6 +107,11 @@ class DraftSide:
             return self._client.call(name, *args, timeout=60)
         return getattr(self._worker, name)(*args)
 
+    def _prefetch_prompts(self, contexts) -> bool:
+        """Hand the draft side contexts to prefill in the background, one-way."""
+        drafter = self._client if self._client is not None else self._worker
+        return bool(drafter.prefetch(contexts))
+
     def _draft(self, keys, contexts, budgets, step_s, temps=None, per_token_s=None,
                hints=None, remaining=None) -> list[list[int]] | None:
         """The draft side's drafts, or None; the contexts go as deltas against what the

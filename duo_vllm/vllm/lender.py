@@ -54,8 +54,7 @@ class CoreLending:
         plain vLLM's time. The draft drafts for them from the next step."""
         if not lent or not all(key in lent for key in keys):
             return False
-        drafter = self._client if self._client is not None else self._worker
-        drafter.prefetch(contexts)
+        self._prefetch_prompts(contexts)
         return True
 
     def _pause_draft(self) -> None:

@@ -377,8 +377,7 @@ class DuoProposer(DraftSide, CoreLending):
         prompts = [np.asarray(r.prompt_token_ids, dtype=np.int32) for r in new_reqs
                    if getattr(r, "prompt_token_ids", None)]
         prompts = [p for p in prompts if len(p) < self.max_model_len - 1]
-        drafter = self._client if self._client is not None else self._worker
-        if prompts and drafter.prefetch(prompts):  # the draft prefills them beside the target
+        if prompts and self._prefetch_prompts(prompts):  # prefilled beside the target's
             self.side_prefills += 1
 
     def _will_draft(self, new_reqs, batch: int | None) -> bool:
