@@ -122,6 +122,9 @@ METHODS = {
     # duo-lend with the batch cap at 1 (max_batch): no draft work above batch 1
     "duo-lend-cap1": dict(bind="0-1", duo={"parallel": True, "multi_sequence": True,
                                            "budget": "auto", "max_batch": 1}),
+    "duo-lend-cap1-base": dict(bind="0-1", base=True,
+                               duo={"parallel": True, "multi_sequence": True,
+                                    "budget": "auto", "max_batch": 1}),
     "duo-lend-iomp": dict(bind="0-1", iomp=True, duo={"parallel": True, "multi_sequence": True,
                                                       "budget": "auto"}),
     "spec-empty-all": dict(bind="0-1", spec={"model": "benchmarks.oracle.EmptyProposer",

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from duo_vllm.config import DuoConfig
 from duo_vllm.control.verdict import LOOKUP, MODEL
 from duo_vllm.control.lending import remake_pays
 from duo_vllm.host.lending import (ONEDNN_CACHE, MatmulPrimitives, TargetThreads, bind_order,
@@ -306,6 +307,16 @@ class IdleWorker(FakeDraftWorker):
         return Drafts(out, idle=True) if self.idle else out
 
 
+class Prefetching(IdleWorker):
+    """An :class:`IdleWorker` that counts its pauses."""
+
+    pauses = 0
+    prefetched = None
+
+    def pause(self, wait=False):
+        self.pauses += 1
+
+
 def test_a_draft_side_with_nothing_to_run_beside_the_step_lends_its_cores_for_it(clock):
     w = IdleWorker(drafts=[[]])
     p, calls = lending(w)
@@ -382,14 +393,32 @@ def test_prompts_the_draft_will_not_draft_for_are_prefilled_on_the_lent_cores(cl
     assert w.waited  # once the draft's decode call under way had ended
 
 
+def test_a_burst_above_the_cap_is_prefilled_on_every_core_after_its_first_prompt_alone(
+        clock):
+    """vLLM's engine often starts a burst's first request alone: its prompt is handed to
+    the draft, which gets its core back. The rest of the burst takes the batch above the
+    cap: their prompts' step runs on every core, the draft's background work dropped."""
+    w = Prefetching(drafts=[[7]])
+    w.idle = False
+    p, calls = lending(w, runner_ids=("a",))
+    p.config = DuoConfig(use_actor=False, max_batch=1)
+    p._prefetch, p.max_model_len = True, 2048
+    p.verdict.choose = p.verdict.peek = lambda b, sampled, key=None: MODEL
+
+    def new(req_id, length=20):
+        return SimpleNamespace(prompt_token_ids=list(range(length)), req_id=req_id,
+                               sampling_params=SimpleNamespace(temperature=0.0))
+
+    p.on_new_requests([new("a")], batch=1)  # the burst's first prompt, alone
+    sampled, n, ids = inputs([list(range(21))])
+    p.propose(sampled, n, ids)  # handed over: the draft's core back to it
+    assert [len(c) for c in w.prefetched] == [21] and calls == [1] and w.pauses == 0
+    p.on_new_requests([new("b"), new("c"), new("d")], batch=4)  # above the cap
+    assert calls == [1, 2] and w.pauses == 1  # every core, the draft's work dropped
+    assert [len(c) for c in w.prefetched] == [21]  # and nothing more for the draft
+
+
 def test_a_lending_target_prefills_every_prompt_on_every_core_and_hands_it_over_after(clock):
-    class Prefetching(IdleWorker):
-        pauses = 0
-        prefetched = None
-
-        def pause(self, wait=False):
-            self.pauses += 1
-
     w = Prefetching(drafts=[[7]])
     w.idle = False
     p, calls = lending(w, runner_ids=("a", "b"))
