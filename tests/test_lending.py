@@ -317,6 +317,14 @@ class Prefetching(IdleWorker):
         self.pauses += 1
 
 
+def new_prompt(req_id="a", length=20, cached=0):
+    """A greedy request vLLM is about to prefill: ``length`` prompt tokens, ``cached`` of
+    them in its prefix cache."""
+    return SimpleNamespace(prompt_token_ids=list(range(length)), req_id=req_id,
+                           num_computed_tokens=cached,
+                           sampling_params=SimpleNamespace(temperature=0.0))
+
+
 def test_a_draft_side_with_nothing_to_run_beside_the_step_lends_its_cores_for_it(clock):
     w = IdleWorker(drafts=[[]])
     p, calls = lending(w)
@@ -405,15 +413,11 @@ def test_a_burst_above_the_cap_is_prefilled_on_every_core_after_its_first_prompt
     p._prefetch, p.max_model_len = True, 2048
     p.verdict.choose = p.verdict.peek = lambda b, sampled, key=None: MODEL
 
-    def new(req_id, length=20):
-        return SimpleNamespace(prompt_token_ids=list(range(length)), req_id=req_id,
-                               sampling_params=SimpleNamespace(temperature=0.0))
-
-    p.on_new_requests([new("a")], batch=1)  # the burst's first prompt, alone
+    p.on_new_requests([new_prompt("a")], batch=1)  # the burst's first prompt, alone
     sampled, n, ids = inputs([list(range(21))])
     p.propose(sampled, n, ids)  # handed over: the draft's core back to it
     assert [len(c) for c in w.prefetched] == [21] and calls == [1] and w.pauses == 0
-    p.on_new_requests([new("b"), new("c"), new("d")], batch=4)  # above the cap
+    p.on_new_requests([new_prompt(r) for r in "bcd"], batch=4)  # above the cap
     assert calls == [1, 2] and w.pauses == 1  # every core, the draft's work dropped
     assert [len(c) for c in w.prefetched] == [21]  # and nothing more for the draft
 
@@ -428,14 +432,9 @@ def test_a_lending_target_prefills_every_prompt_on_every_core_and_hands_it_over_
     p.propose(sampled, n, ids)  # drafting: the draft's core is its own
     assert calls == [1] and len(w.calls) == 1
 
-    def new(length, req_id="a", cached=0):
-        return [SimpleNamespace(prompt_token_ids=list(range(length)), req_id=req_id,
-                                num_computed_tokens=cached,
-                                sampling_params=SimpleNamespace(temperature=0.0))]
-
     # short or long, in vLLM's prefix cache or not: every core prefills it, the draft
     # nothing beside it (its background work dropped)
-    p.on_new_requests(new(20), batch=1)
+    p.on_new_requests([new_prompt(length=20)], batch=1)
     assert calls == [1, 2] and w.prefetched is None and w.pauses == 1
     # the prompt's step: its context goes to the draft one-way, the step waits for nothing
     sampled, n, ids = inputs([list(range(21))])
@@ -444,18 +443,19 @@ def test_a_lending_target_prefills_every_prompt_on_every_core_and_hands_it_over_
     assert calls == [1, 2, 1]  # the draft's core back to it, to prefill the prompt
     assert p.propose(sampled, n, ids) == [[7]]  # from the next step the draft drafts
     assert len(w.calls) == 2
-    p.on_new_requests(new(700, cached=640), batch=1)  # mostly cached: lent all the same
+    # mostly cached: lent all the same
+    p.on_new_requests([new_prompt(length=700, cached=640)], batch=1)
     assert calls == [1, 2, 1, 2] and p.stats()["lent_prefills"] == 2
     p.propose(sampled, n, ids)  # its step: handed over, no call
     assert len(w.calls) == 2
     # a step where a new prompt joins a request drafted for: the draft is asked as ever
-    p.on_new_requests(new(25, req_id="b"), batch=2)
+    p.on_new_requests([new_prompt("b", length=25)], batch=2)
     sampled, n, ids = inputs([[1, 2, 3], list(range(26))])
     w.drafts = [[7], [8]]
     assert p.propose(sampled, n, ids) == [[7], [8]] and len(w.calls) == 3
     # where the verdict will not draft, no hand-over either: plain decoding, lent
     p.verdict.peek = lambda b, sampled, key=None: LOOKUP
-    p.on_new_requests(new(50), batch=1)
+    p.on_new_requests([new_prompt(length=50)], batch=1)
     assert p._handoff == set() and p._threads.lent
 
 
@@ -479,9 +479,7 @@ def test_a_draft_side_that_gave_up_takes_no_prompt_and_the_target_keeps_its_core
     p._prefetch, p.max_model_len = True, 2048
     p.verdict.choose = p.verdict.peek = lambda b, sampled, key=None: MODEL
     p._lend(False)  # the draft had its core when it gave up
-    p.on_new_requests([SimpleNamespace(prompt_token_ids=list(range(20)), req_id="a",
-                                       sampling_params=SimpleNamespace(temperature=0.0))],
-                      batch=1)
+    p.on_new_requests([new_prompt()], batch=1)
     assert calls == [1, 2]  # the prompt's step on every core
     sampled, n, ids = inputs([list(range(21))])
     assert p.propose(sampled, n, ids) == [[]]

@@ -359,9 +359,11 @@ class DuoProposer(DraftSide, CoreLending):
         self._new_requests = True
         if self._passive or not self._prefetch or self._failed or self._held:
             return
-        if capped(batch, self.config.max_batch):  # above the cap: no draft work, and the
-            self._prefill_lent()  # prompts' step on every core (a burst's first prompt, alone
-            return  # in its step, may have handed the draft its core)
+        if capped(batch, self.config.max_batch):
+            # above the cap: no draft work, and the prompts' step on every core (a burst's
+            # first prompt, alone in its step, may have handed the draft its core)
+            self._prefill_lent()
+            return
         new_reqs = [r for r in new_reqs if self.config.draft_seeded or not rows_of.seeded(r)]
         if not new_reqs:  # none the draft will see (seeded: decoded without drafts)
             return
