@@ -210,10 +210,11 @@ def paired(results: dict, baseline: str) -> dict:
 
 
 def markdown(results: dict, rounds: int) -> str:
-    """A table per baseline: every method's median per-round ratio (min-max)."""
+    """A table per baseline: every method's median per-round ratio, ± its 95% half-width
+    (min-max)."""
     lines = [f"**Interleaved: {rounds} rounds** after a warm-up round, the median of "
-             "per-round ratios to the baseline (min-max over rounds); latency and time to "
-             "first token: lower is better.", ""]
+             "per-round ratios to the baseline, ± its 95% half-width (min-max over rounds); "
+             "latency and time to first token: lower is better.", ""]
     for baseline in ("plain-all", "plain-1core"):
         table = paired(results, baseline)
         if not table:
@@ -226,7 +227,10 @@ def markdown(results: dict, rounds: int) -> str:
                   "|" + "---|" * (len(names) + 1)]
 
         def cell(e):
-            return f"{e['median']:.3f} ({e['min']:.3f}-{e['max']:.3f})" if e else "-"
+            if not e:
+                return "-"
+            h = "" if e["half_width"] is None else f" ±{100 * e['half_width']:.1f}%"
+            return f"{e['median']:.3f}{h} ({e['min']:.3f}-{e['max']:.3f})"
 
         for key, methods in table.items():
             lines.append(f"| {key} tok/s | " + " | ".join(

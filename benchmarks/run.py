@@ -306,8 +306,8 @@ def measure(llm, is_duo: bool, req: dict, shape: dict, repeats, bar=None) -> dic
                     bar.update()
             continue
         else:
-            idx = [i % len(prompts) for i in range(batch)]
-            batch_prompts = [prompts[i] for i in idx]
+            order = task_turns(tasks)
+            batch_prompts = [prompts[order[i % len(order)]] for i in range(batch)]
             t0 = time.perf_counter()
             if req.get("timeline"):
                 outs, steps = stepped(llm, batch_prompts, [params] * batch, f"b{rep}")
@@ -326,6 +326,17 @@ def measure(llm, is_duo: bool, req: dict, shape: dict, repeats, bar=None) -> dic
     spec = {k: after[k] - spec_before[k] for k in ("drafts", "proposed", "accepted")}
     return {**shape, "rows": rows, "spec": spec,
             "duo": _stats_delta(duo_before, draft_stats(llm)) if is_duo else None}
+
+
+def task_turns(tasks: list[str]) -> list[int]:
+    """The prompts' indices with the tasks taking turns, so that a batch mixes them as
+    traffic does (the prompts come task by task: at ``--per-task 4`` the first four are
+    all translation)."""
+    lanes: dict[str, list[int]] = {}
+    for i, task in enumerate(tasks):
+        lanes.setdefault(task, []).append(i)
+    depth = max(map(len, lanes.values()), default=0)
+    return [lane[j] for j in range(depth) for lane in lanes.values() if j < len(lane)]
 
 
 def worker(req_path: str, out_path: str) -> None:

@@ -57,6 +57,8 @@ def test_the_control_pair_says_how_many_rounds_resolve_two_percent():
                "duo-lend": _method(dict.fromkeys(range(5), 12.0))}
     text = markdown(results, 5)
     assert f"±2% takes about {need} rounds" in text
+    # every method's median comes with its resolution, not the control's alone
+    assert f"| 1.000 ±{100 * half_width(ratios):.1f}% (0.930-1.070) | 1.200 ±0.0% " in text
     assert text.count("takes about") == 1  # from the control pair alone
 
 
