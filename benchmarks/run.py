@@ -308,7 +308,7 @@ def measure(llm, is_duo: bool, req: dict, shape: dict, repeats, bar=None) -> dic
         else:
             order = task_turns(tasks)
             batch_prompts = [prompts[order[i % len(order)]] for i in range(batch)]
-            t0 = time.perf_counter()
+            t0, mono0 = time.perf_counter(), time.monotonic()
             if req.get("timeline"):
                 outs, steps = stepped(llm, batch_prompts, [params] * batch, f"b{rep}")
             else:
@@ -317,6 +317,7 @@ def measure(llm, is_duo: bool, req: dict, shape: dict, repeats, bar=None) -> dic
             dt = time.perf_counter() - t0
             rows.append({"repeat": rep, "tokens": sum(len(o.outputs[0].token_ids)
                                                       for o in outs), "seconds": dt,
+                         "latency_s": finish_times(outs, mono0),
                          "token_ids": [list(o.outputs[0].token_ids) for o in outs],
                          "prompt_ids": [list(o.prompt_token_ids) for o in outs]
                          if rep == 0 else None, "steps": steps})
@@ -326,6 +327,15 @@ def measure(llm, is_duo: bool, req: dict, shape: dict, repeats, bar=None) -> dic
     spec = {k: after[k] - spec_before[k] for k in ("drafts", "proposed", "accepted")}
     return {**shape, "rows": rows, "spec": spec,
             "duo": _stats_delta(duo_before, draft_stats(llm)) if is_duo else None}
+
+
+def finish_times(outs, since: float) -> list[float]:
+    """Each request's latency in a batch: from ``since`` (``time.monotonic()`` before the
+    batch was handed over) to its last token, by vLLM's own per-request timestamps (the
+    engine core's monotonic clock). A batch's tokens/s is set by its slowest request; this
+    is what each of its requests waited. Empty where vLLM kept no timestamps."""
+    ends = [getattr(getattr(o, "metrics", None), "last_token_ts", 0.0) for o in outs]
+    return [end - since for end in ends] if all(end > since for end in ends) else []
 
 
 def task_turns(tasks: list[str]) -> list[int]:
