@@ -1,6 +1,8 @@
 """benchmarks/run.py: which prompts a batch shape runs, and what a batch row keeps."""
 
-from benchmarks.run import task_turns
+from types import SimpleNamespace as NS
+
+from benchmarks.run import finish_times, task_turns
 
 
 def test_a_batch_mixes_the_tasks():
@@ -16,10 +18,6 @@ def test_a_batch_mixes_the_tasks():
 def test_a_batch_row_keeps_each_request_s_latency():
     """A batch's tokens/s is its slowest request's; each request's own wait is kept too,
     from vLLM's per-request timestamps, and nothing where vLLM kept none."""
-    from types import SimpleNamespace as NS
-
-    from benchmarks.run import finish_times
-
     outs = [NS(metrics=NS(last_token_ts=t)) for t in (105.0, 107.5, 103.0)]
     assert finish_times(outs, 100.0) == [5.0, 7.5, 3.0]
     assert finish_times(outs + [NS(metrics=None)], 100.0) == []
